@@ -1,0 +1,390 @@
+"""The ``"sequence_parallel"`` section of a DeepSpeed JSON, as a typed and validated model.
+
+Example (all keys optional except ``size``)::
+
+    "sequence_parallel": {
+      "enabled": true,
+      "size": 8,
+      "ulysses_degree": 2,
+      "ring": {"layout": "zigzag", "inner_size": null, "overlap": true},
+      "attention": "usp",
+      "kernel": "auto"
+    }
+
+Mesh vocabulary: ``size`` = P (SP degree), ``ulysses_degree`` = U, ring degree R = P / U,
+``ring.inner_size`` = ranks per inner ring of the double ring (R_inner; R_outer = R / R_inner).
+
+Two validation stages:
+
+* ``load_config(path_or_dict)`` checks everything the section alone can check (types, choices,
+  divisibility, unknown keys) and returns the section plus the DeepSpeed dict with DeepSpeed's own
+  ``sequence_parallel_size`` set.
+* ``SequenceParallelConfig.validate(model_config, world_size)`` checks what needs the model or the
+  world (heads vs U, world vs size) and resolves ``ulysses_degree="auto"``.
+
+Every error is a ``SeqParConfigError`` whose message names the key, the bad value and a valid
+alternative, e.g. ``sequence_parallel.ulysses_degree=3 does not divide size=8; valid: 1, 2, 4, 8``.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import os
+from typing import Any, Literal, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
+
+SECTION = "sequence_parallel"
+
+LayoutName = Literal["contiguous", "zigzag", "stripe"]
+AttentionName = Literal["usp", "ulysses", "ring"]
+KernelName = Literal["auto", "torch", "sdpa", "flash_attn"]
+
+
+class SeqParConfigError(ValueError):
+    """A ``sequence_parallel`` setting is invalid; the message names the key and a fix."""
+
+
+def divisors(n: int) -> list[int]:
+    """All positive divisors of ``n`` in increasing order."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _fmt_choices(values: list[Any]) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+class _Section(BaseModel):
+    """Base of every config model: unknown keys are errors, assignments are re-validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class RingConfig(_Section):
+    """``sequence_parallel.ring``: how the ring axis lays out tokens and schedules transfers."""
+
+    layout: LayoutName = Field(
+        "zigzag",
+        description="Token layout over the ring ranks: contiguous | zigzag (2R chunks, balanced causal) | "
+        "stripe (round-robin blocks of `granularity` tokens).",
+    )
+    granularity: StrictInt = Field(
+        1, description="Stripe width in tokens for layout=stripe (1 = token stripes).", ge=1
+    )
+    inner_size: StrictInt | None = Field(
+        None,
+        description="Ranks per inner ring of the double (hierarchical) ring; must divide the ring degree. "
+        "null = single ring.",
+        ge=1,
+    )
+    overlap: StrictBool = Field(
+        True, description="Overlap the K/V transfer of ring step s+1 with the compute of step s."
+    )
+
+
+class SequenceParallelConfig(_Section):
+    """The validated ``sequence_parallel`` section of a DeepSpeed config."""
+
+    enabled: StrictBool = Field(True, description="Turn sequence parallelism on or off.")
+    size: StrictInt = Field(
+        ..., description="SP degree P: ranks that split one sequence. World size must be a multiple.", ge=1
+    )
+    ulysses_degree: StrictInt | Literal["auto"] = Field(
+        "auto",
+        description="Ulysses (all-to-all over heads) degree U; divides `size`; ring degree R = size / U. "
+        '"auto" = the largest divisor of size that the KV heads allow without replication '
+        "(resolved by validate()).",
+    )
+    ring: RingConfig = Field(default_factory=RingConfig, description="Ring-axis settings.")
+    attention: AttentionName = Field(
+        "usp",
+        description="Algorithm: usp (Ulysses x Ring) | ulysses (U = size) | ring (U = 1).",
+    )
+    kernel: KernelName = Field(
+        "auto",
+        description="Block attention kernel: auto | torch (chunked reference) | sdpa (PyTorch CPU flash op) | "
+        "flash_attn (CUDA).",
+    )
+
+    @model_validator(mode="after")
+    def _check_degrees(self) -> SequenceParallelConfig:
+        p, u = self.size, self.ulysses_degree
+        if self.attention == "ulysses" and u not in ("auto", p):
+            raise ValueError(
+                f"sequence_parallel.ulysses_degree={u} conflicts with attention='ulysses', which needs "
+                f"ulysses_degree=size={p}; valid: set ulysses_degree to {p} or use attention='usp'"
+            )
+        if self.attention == "ring" and u not in ("auto", 1):
+            raise ValueError(
+                f"sequence_parallel.ulysses_degree={u} conflicts with attention='ring', which needs "
+                f"ulysses_degree=1; valid: set ulysses_degree to 1 or use attention='usp'"
+            )
+        if u != "auto" and p % u != 0:
+            raise ValueError(
+                f"sequence_parallel.ulysses_degree={u} does not divide size={p}; valid: {_fmt_choices(divisors(p))}"
+            )
+        if u != "auto":
+            self._check_ring(p // u)
+        elif self.attention == "ring":
+            self._check_ring(p)
+        if self.ring.layout != "stripe" and self.ring.granularity != 1:
+            raise ValueError(
+                f"sequence_parallel.ring.granularity={self.ring.granularity} only applies to layout='stripe' "
+                f"(layout is '{self.ring.layout}'); valid: remove granularity or set ring.layout='stripe'"
+            )
+        return self
+
+    def _check_ring(self, ring_degree: int) -> None:
+        inner = self.ring.inner_size
+        if inner is not None and ring_degree % inner != 0:
+            raise ValueError(
+                f"sequence_parallel.ring.inner_size={inner} does not divide the ring degree R={ring_degree} "
+                f"(size={self.size} / ulysses_degree={self.ulysses_degree}); "
+                f"valid: null, {_fmt_choices(divisors(ring_degree))}"
+            )
+
+    # ----------------------------------------------------------------------------------------
+    @property
+    def ring_degree(self) -> int:
+        """R = size / U (needs a resolved ``ulysses_degree``)."""
+        return self.size // self.resolved_ulysses_degree
+
+    @property
+    def resolved_ulysses_degree(self) -> int:
+        if self.ulysses_degree == "auto":
+            if self.attention == "ring":
+                return 1
+            if self.attention == "ulysses":
+                return self.size
+            raise SeqParConfigError(
+                'sequence_parallel.ulysses_degree="auto" is resolved by validate(model_config, world_size); '
+                "call it first or set an integer ulysses_degree"
+            )
+        return self.ulysses_degree
+
+    @property
+    def ring_inner_size(self) -> int:
+        """Ranks per inner ring (R when the ring is a single ring)."""
+        return self.ring.inner_size or self.ring_degree
+
+    def validate(self, model_config: Any = None, world_size: int | None = None) -> SequenceParallelConfig:
+        """Check the constraints that need the model or the world; return a copy with U resolved.
+
+        Args:
+            model_config: anything with ``num_attention_heads`` (and optionally ``num_key_value_heads``),
+                e.g. a HuggingFace ``PretrainedConfig``, or None to skip the head checks.
+            world_size: total number of ranks, or None to skip the world check.
+        """
+        if world_size is not None and (world_size < 1 or world_size % self.size != 0):
+            valid = divisors(world_size) if world_size >= 1 else [1]
+            raise SeqParConfigError(
+                f"sequence_parallel.size={self.size} does not divide the world size {world_size} "
+                f"(world = data_parallel x size); valid: {_fmt_choices(valid)}"
+            )
+        resolved = self.model_copy(deep=True)
+        if model_config is None:
+            if self.ulysses_degree == "auto" and self.attention == "usp":
+                raise SeqParConfigError(
+                    'sequence_parallel.ulysses_degree="auto" needs the model\'s head counts; '
+                    "pass model_config to validate() or set an integer ulysses_degree"
+                )
+            if self.ulysses_degree == "auto":
+                resolved.ulysses_degree = self.resolved_ulysses_degree
+            return resolved
+        heads, kv_heads = head_counts(model_config)
+        if self.ulysses_degree == "auto":
+            if self.attention == "usp":
+                resolved.ulysses_degree = auto_ulysses_degree(self.size, heads, kv_heads)
+            else:
+                resolved.ulysses_degree = self.resolved_ulysses_degree
+            resolved._check_ring(self.size // resolved.ulysses_degree)
+        u = resolved.ulysses_degree
+        if u > heads:
+            valid = [d for d in divisors(self.size) if d <= heads]
+            raise SeqParConfigError(
+                f"sequence_parallel.ulysses_degree={u} exceeds the model's num_attention_heads={heads}; "
+                f"valid: {_fmt_choices(valid)}"
+            )
+        return resolved
+
+
+def head_counts(model_config: Any) -> tuple[int, int]:
+    """``(num_attention_heads, num_key_value_heads)`` of a model config (dict or object)."""
+
+    def get(name: str) -> Any:
+        if isinstance(model_config, dict):
+            return model_config.get(name)
+        return getattr(model_config, name, None)
+
+    heads = get("num_attention_heads")
+    if not isinstance(heads, int) or heads < 1:
+        raise SeqParConfigError(
+            f"model config has num_attention_heads={heads!r}; sequence parallelism needs a positive integer "
+            "head count (pass the model's config, e.g. model.config)"
+        )
+    kv = get("num_key_value_heads") or heads
+    if heads % kv != 0:
+        raise SeqParConfigError(
+            f"model config has num_key_value_heads={kv}, which does not divide num_attention_heads={heads}; "
+            f"valid: {_fmt_choices(divisors(heads))}"
+        )
+    return heads, kv
+
+
+def auto_ulysses_degree(size: int, num_heads: int, num_kv_heads: int) -> int:
+    """The rule behind ``ulysses_degree="auto"``.
+
+    The largest divisor U of ``size`` with U <= H and H_kv % U == 0, i.e. as much Ulysses (fast,
+    intra-node all-to-all) as the K/V heads allow without replicating them; the rest of ``size`` goes
+    to the ring. U = 1 (pure ring) always qualifies, so no replication is ever chosen automatically;
+    set an integer ``ulysses_degree`` to ask for replication explicitly. Examples: size=8, H_kv=8 -> 8;
+    size=8, H_kv=2 -> 2 (R=4); size=6, H_kv=4 -> 2 (R=3).
+    """
+    best = 1
+    for u in divisors(size):
+        if u <= num_heads and num_kv_heads % u == 0:
+            best = u
+    return best
+
+
+def config_field_paths(model: type[BaseModel] = SequenceParallelConfig, prefix: str = SECTION) -> list[str]:
+    """Dotted names of every field, e.g. ``sequence_parallel.ring.layout`` (used by the docs test)."""
+    paths: list[str] = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}.{name}"
+        paths.append(path)
+        sub = _submodel(field.annotation)
+        if sub is not None:
+            paths.extend(config_field_paths(sub, path))
+    return paths
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        sub = _submodel(arg)
+        if sub is not None:
+            return sub
+    return None
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel]:
+    """The model class that owns the last element of a pydantic error location."""
+    model: type[BaseModel] = SequenceParallelConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        sub = _submodel(field.annotation) if field is not None else None
+        if sub is None:
+            break
+        model = sub
+    return model
+
+
+def _literal_choices(annotation: Any) -> list[Any]:
+    if get_origin(annotation) is Literal:
+        return list(get_args(annotation))
+    out: list[Any] = []
+    for arg in get_args(annotation):
+        out.extend(_literal_choices(arg))
+    return out
+
+
+def _format_error(err: dict[str, Any]) -> str:
+    """One readable line for one pydantic error: key, bad value, valid alternative."""
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in {"int", "literal['auto']"}))
+    loc = tuple(p for p in loc if not str(p).startswith(("constrained-int", "function-")))
+    key = ".".join([SECTION, *(str(p) for p in loc)]) if loc else SECTION
+    kind = err["type"]
+    bad = err.get("input")
+    if kind == "value_error":
+        return str(err["ctx"]["error"]) if "ctx" in err else err["msg"]
+    if kind == "extra_forbidden":
+        owner = _model_at(loc)
+        valid = list(owner.model_fields)
+        close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        return f"{key} is not a known key{hint}; valid keys: {_fmt_choices(valid)}"
+    if kind == "missing":
+        return f"{key} is required; e.g. {key}=8 (the number of ranks that split one sequence)"
+    field = _model_at(loc).model_fields.get(str(loc[-1])) if loc else None
+    annotation = field.annotation if field is not None else None
+    choices = _literal_choices(annotation)
+    if kind == "literal_error" or (choices and kind in {"int_type", "string_type"}):
+        if choices and not any(a is StrictInt for a in get_args(annotation)):
+            return f"{key}={bad!r} is not valid; valid: {_fmt_choices(choices)}"
+        return f"{key}={bad!r} is not valid; valid: a positive integer or {_fmt_choices(choices)}"
+    if kind in {"greater_than_equal", "greater_than"}:
+        return f"{key}={bad!r} must be >= {err['ctx'].get('ge', err['ctx'].get('gt'))}; valid: e.g. 1, 2, 4, 8"
+    if kind in {"int_type", "int_parsing", "int_from_float"}:
+        return f"{key}={bad!r} must be an integer (JSON number without quotes); valid: e.g. 1, 2, 4, 8"
+    if kind in {"bool_type", "bool_parsing"}:
+        return f"{key}={bad!r} must be a boolean; valid: true, false"
+    if kind in {"model_type", "dict_type", "model_attributes_type"}:
+        owner = _submodel(annotation) if annotation is not None else None
+        valid = _fmt_choices(list(owner.model_fields)) if owner else "an object"
+        return f"{key}={bad!r} must be an object (JSON dict); valid keys: {valid}"
+    return f"{key}={bad!r}: {err['msg']}"
+
+
+def parse_section(section: dict[str, Any]) -> SequenceParallelConfig:
+    """Validate a ``sequence_parallel`` dict; raise ``SeqParConfigError`` listing every problem."""
+    if not isinstance(section, dict):
+        raise SeqParConfigError(
+            f"{SECTION}={section!r} must be an object (JSON dict); valid: "
+            f'{{"{SECTION}": {{"size": 8, "ulysses_degree": 2}}}}'
+        )
+    try:
+        return SequenceParallelConfig.model_validate(section)
+    except ValidationError as exc:
+        lines = [_format_error(e) for e in exc.errors()]
+        raise SeqParConfigError("\n".join(dict.fromkeys(lines))) from None
+
+
+def load_config(config: str | os.PathLike[str] | dict[str, Any]) -> tuple[SequenceParallelConfig, dict[str, Any]]:
+    """Read a whole DeepSpeed config (path or dict) and split off the ``sequence_parallel`` section.
+
+    Returns:
+        ``(section, ds_config)``: the validated section, and a copy of the DeepSpeed dict without the
+        section and with DeepSpeed's own ``sequence_parallel_size`` set to ``section.size`` (1 when
+        sequence parallelism is disabled).
+    """
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if not os.path.isfile(path):
+            raise SeqParConfigError(
+                f"DeepSpeed config file '{path}' does not exist; valid: a path to a JSON file such as "
+                "ds_configs/usp_zero3.json"
+            )
+        with open(path, encoding="utf-8") as fh:
+            try:
+                raw = json.load(fh)
+            except json.JSONDecodeError as exc:
+                raise SeqParConfigError(
+                    f"DeepSpeed config file '{path}' is not valid JSON ({exc.msg} at line {exc.lineno}, "
+                    f"column {exc.colno}); fix the JSON syntax there"
+                ) from None
+    elif isinstance(config, dict):
+        raw = config
+    else:
+        raise SeqParConfigError(
+            f"config={type(config).__name__} is not supported; valid: a path to a DeepSpeed JSON file or a dict"
+        )
+    ds_config = copy.deepcopy(raw)
+    if SECTION not in ds_config:
+        raise SeqParConfigError(
+            f"the DeepSpeed config has no '{SECTION}' section; valid: add "
+            f'"{SECTION}": {{"size": <ranks per sequence>}} (see docs/configuration.md)'
+        )
+    section = parse_section(ds_config.pop(SECTION))
+    sp_size = section.size if section.enabled else 1
+    existing = ds_config.get("sequence_parallel_size")
+    if existing is not None and existing != sp_size:
+        raise SeqParConfigError(
+            f"sequence_parallel_size={existing} (DeepSpeed's key) disagrees with {SECTION}.size={sp_size}; "
+            f"valid: remove sequence_parallel_size or set it to {sp_size}"
+        )
+    ds_config["sequence_parallel_size"] = sp_size
+    return section, ds_config

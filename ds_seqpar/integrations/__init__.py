@@ -1,0 +1,1 @@
+"""Glue layer: HuggingFace attention registry, DeepSpeed engine and mpu."""

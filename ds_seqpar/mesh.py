@@ -1,0 +1,299 @@
+"""Process mesh for sequence parallelism: world = dp x sp, sp = ring_outer x ring_inner x ulysses.
+
+Rank mapping (Ulysses innermost, so its bandwidth-heavy all-to-all stays inside a node)::
+
+    rank = dp_rank * SP + ring_rank * U + ulysses_rank
+    ring_rank = ring_outer_rank * R_inner + ring_inner_rank
+
+Groups (member lists are global ranks):
+
+=============== ================================================ ==============================
+group           members                                          used for
+=============== ================================================ ==============================
+``sp``          the SP = U*R contiguous ranks sharing a sequence loss reduction, data sharding
+``ulysses``     U contiguous ranks                               head <-> sequence all-to-all
+``ring``        R ranks with stride U                            K/V ring
+``ring_inner``  R_inner ring ranks with the same outer index     inner ring of the double ring
+``ring_outer``  R_outer ring ranks with the same inner index     outer ring of the double ring
+``dp``          dp ranks with stride SP                          sampler (all SP ranks of a group
+                                                                 see the same samples)
+``sp_dp``       all dp*SP ranks (= world)                        ZeRO sharding and grad reduction
+=============== ================================================ ==============================
+
+Nothing here is module-level state: a ``SeqParMesh`` is built once and passed explicitly.
+``plan_mesh`` computes the member lists without torch.distributed, so it can be checked anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from ds_seqpar.comm.stats import CommStats
+from ds_seqpar.config import SeqParConfigError, SequenceParallelConfig, divisors
+
+GROUP_KINDS = ("sp", "ulysses", "ring", "ring_inner", "ring_outer", "dp", "sp_dp")
+
+
+@dataclass(frozen=True)
+class MeshCoords:
+    """This rank's coordinates on every axis of the mesh."""
+
+    rank: int
+    dp_rank: int
+    sp_rank: int
+    ulysses_rank: int
+    ring_rank: int
+    ring_inner_rank: int
+    ring_outer_rank: int
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    """Sizes of every axis and the member lists of every group (pure arithmetic, no processes)."""
+
+    world_size: int
+    sp_size: int
+    ulysses_size: int
+    ring_inner_size: int
+
+    def __post_init__(self) -> None:
+        w, p, u, ri = self.world_size, self.sp_size, self.ulysses_size, self.ring_inner_size
+        if p < 1 or w % p != 0:
+            raise SeqParConfigError(
+                f"sequence_parallel.size={p} does not divide the world size {w}; valid: {_choices(divisors(w))}"
+            )
+        if u < 1 or p % u != 0:
+            raise SeqParConfigError(
+                f"sequence_parallel.ulysses_degree={u} does not divide size={p}; valid: {_choices(divisors(p))}"
+            )
+        if ri < 1 or (p // u) % ri != 0:
+            raise SeqParConfigError(
+                f"sequence_parallel.ring.inner_size={ri} does not divide the ring degree R={p // u}; "
+                f"valid: {_choices(divisors(p // u))}"
+            )
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.sp_size
+
+    @property
+    def ring_size(self) -> int:
+        return self.sp_size // self.ulysses_size
+
+    @property
+    def ring_outer_size(self) -> int:
+        return self.ring_size // self.ring_inner_size
+
+    def coords(self, rank: int) -> MeshCoords:
+        """Coordinates of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} is outside the world of {self.world_size} ranks")
+        dp_rank, sp_rank = divmod(rank, self.sp_size)
+        ring_rank, ulysses_rank = divmod(sp_rank, self.ulysses_size)
+        ring_outer_rank, ring_inner_rank = divmod(ring_rank, self.ring_inner_size)
+        return MeshCoords(rank, dp_rank, sp_rank, ulysses_rank, ring_rank, ring_inner_rank, ring_outer_rank)
+
+    def rank_of(self, dp_rank: int, ring_rank: int, ulysses_rank: int) -> int:
+        """Global rank at the given coordinates."""
+        return dp_rank * self.sp_size + ring_rank * self.ulysses_size + ulysses_rank
+
+    def groups(self, kind: str) -> list[list[int]]:
+        """All groups of one kind, each a sorted list of global ranks, in a fixed order."""
+        u, ri, ro, r = self.ulysses_size, self.ring_inner_size, self.ring_outer_size, self.ring_size
+        dps = range(self.dp_size)
+        if kind == "sp":
+            return [[self.rank_of(d, q, x) for q in range(r) for x in range(u)] for d in dps]
+        if kind == "ulysses":
+            return [[self.rank_of(d, q, x) for x in range(u)] for d in dps for q in range(r)]
+        if kind == "ring":
+            return [[self.rank_of(d, q, x) for q in range(r)] for d in dps for x in range(u)]
+        if kind == "ring_inner":
+            return [
+                [self.rank_of(d, o * ri + i, x) for i in range(ri)] for d in dps for x in range(u) for o in range(ro)
+            ]
+        if kind == "ring_outer":
+            return [
+                [self.rank_of(d, o * ri + i, x) for o in range(ro)] for d in dps for x in range(u) for i in range(ri)
+            ]
+        if kind == "dp":
+            return [list(range(s, self.world_size, self.sp_size)) for s in range(self.sp_size)]
+        if kind == "sp_dp":
+            return [list(range(self.world_size))]
+        raise ValueError(f"unknown group kind {kind!r}; valid: {', '.join(GROUP_KINDS)}")
+
+    def group_of(self, kind: str, rank: int) -> list[int]:
+        """Members of the group of ``kind`` that contains ``rank``."""
+        return next(g for g in self.groups(kind) if rank in g)
+
+
+def _choices(values: list[int]) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+def plan_mesh(
+    world_size: int, sp_size: int, ulysses_size: int = 1, ring_inner_size: int | None = None
+) -> MeshPlan:
+    """Plan a mesh from sizes; ``ring_inner_size=None`` means a single ring (inner = R)."""
+    ring = sp_size // ulysses_size if ulysses_size >= 1 and sp_size % ulysses_size == 0 else 1
+    return MeshPlan(world_size, sp_size, ulysses_size, ring_inner_size or ring)
+
+
+@dataclass
+class SeqParMesh:
+    """The live mesh: this rank's coordinates, process groups and a communication counter.
+
+    Build it after ``torch.distributed`` is initialised, with :meth:`build` or :meth:`from_config`.
+    Every rank of the world must build the same mesh (group creation is collective).
+    """
+
+    plan: MeshPlan
+    coords: MeshCoords
+    process_groups: dict[str, Any]
+    members: dict[str, list[int]]
+    comm_stats: CommStats = field(default_factory=CommStats)
+
+    @classmethod
+    def build(
+        cls,
+        sp_size: int,
+        ulysses_size: int = 1,
+        ring_inner_size: int | None = None,
+        *,
+        world_size: int | None = None,
+        rank: int | None = None,
+    ) -> SeqParMesh:
+        """Create every process group; collective over the default group."""
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised; call deepspeed.init_distributed() (or "
+                "torch.distributed.init_process_group) before building a SeqParMesh"
+            )
+        world_size = dist.get_world_size() if world_size is None else world_size
+        rank = dist.get_rank() if rank is None else rank
+        plan = plan_mesh(world_size, sp_size, ulysses_size, ring_inner_size)
+        process_groups: dict[str, Any] = {}
+        members: dict[str, list[int]] = {}
+        for kind in GROUP_KINDS:
+            for ranks in plan.groups(kind):
+                # new_group is collective over the world: every rank creates every group in order.
+                group = dist.group.WORLD if kind == "sp_dp" else dist.new_group(ranks)
+                if rank in ranks:
+                    process_groups[kind] = group
+                    members[kind] = ranks
+        return cls(plan, plan.coords(rank), process_groups, members)
+
+    @classmethod
+    def from_config(cls, config: SequenceParallelConfig, model_config: Any = None) -> SeqParMesh:
+        """Build the mesh described by a validated config (U resolved against ``model_config``)."""
+        world = dist.get_world_size() if dist.is_initialized() else None
+        resolved = config.validate(model_config, world)
+        if not resolved.enabled:
+            return cls.build(1, 1, None)
+        return cls.build(resolved.size, resolved.resolved_ulysses_degree, resolved.ring.inner_size)
+
+    # sizes ---------------------------------------------------------------------------------
+    @property
+    def dp_size(self) -> int:
+        return self.plan.dp_size
+
+    @property
+    def sp_size(self) -> int:
+        return self.plan.sp_size
+
+    @property
+    def ulysses_size(self) -> int:
+        return self.plan.ulysses_size
+
+    @property
+    def ring_size(self) -> int:
+        return self.plan.ring_size
+
+    @property
+    def ring_inner_size(self) -> int:
+        return self.plan.ring_inner_size
+
+    @property
+    def ring_outer_size(self) -> int:
+        return self.plan.ring_outer_size
+
+    def group(self, kind: str) -> Any:
+        """The process group of ``kind`` (one of ``GROUP_KINDS``) that contains this rank."""
+        if kind not in self.process_groups:
+            raise ValueError(f"unknown group kind {kind!r}; valid: {', '.join(GROUP_KINDS)}")
+        return self.process_groups[kind]
+
+    def mpu(self) -> DeepSpeedMPU:
+        """The adapter DeepSpeed takes as ``deepspeed.initialize(..., mpu=...)``."""
+        return DeepSpeedMPU(self)
+
+    def describe(self) -> str:
+        """One line for logs, e.g. ``rank 5: dp 0/1, sp 5/8 (ulysses 1/2, ring 2/4 = outer 1/2 x inner 0/2)``."""
+        c, p = self.coords, self.plan
+        return (
+            f"rank {c.rank}: dp {c.dp_rank}/{p.dp_size}, sp {c.sp_rank}/{p.sp_size} "
+            f"(ulysses {c.ulysses_rank}/{p.ulysses_size}, ring {c.ring_rank}/{p.ring_size} = "
+            f"outer {c.ring_outer_rank}/{p.ring_outer_size} x inner {c.ring_inner_rank}/{p.ring_inner_size})"
+        )
+
+
+class DeepSpeedMPU:
+    """The ``mpu`` object DeepSpeed 0.19.8 queries when SP is combined with ZeRO.
+
+    It follows DeepSpeed's own SP state module (``runtime/sequence_parallel/parallel_state_sp.py``):
+    ZeRO shards and reduces gradients over the sequence-data-parallel group (dp x sp), the data
+    sampler uses the dp group (so the ranks of one SP group read the same samples), and "model
+    parallel" is an alias of the SP group. The presence of ``initialize_sequence_parallel`` is how
+    DeepSpeed recognises this kind of mpu.
+    """
+
+    def __init__(self, mesh: SeqParMesh) -> None:
+        self.mesh = mesh
+
+    def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:
+        """Groups already exist in the mesh; only check that the sizes agree."""
+        if sequence_parallel_size != self.mesh.sp_size:
+            raise ValueError(
+                f"sequence_parallel_size={sequence_parallel_size} disagrees with the mesh's sp size "
+                f"{self.mesh.sp_size}; build the mesh and the DeepSpeed config from the same section"
+            )
+
+    # sequence parallel
+    def get_sequence_parallel_group(self) -> Any:
+        return self.mesh.group("sp")
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.mesh.sp_size
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.mesh.coords.sp_rank
+
+    # sequence x data parallel (ZeRO partitioning and gradient reduction)
+    def get_sequence_data_parallel_group(self) -> Any:
+        return self.mesh.group("sp_dp")
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.mesh.plan.world_size
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.mesh.coords.rank
+
+    # data parallel (sampler)
+    def get_data_parallel_group(self) -> Any:
+        return self.mesh.group("dp")
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.mesh.dp_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.mesh.coords.dp_rank
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self.mesh.members["dp"])
+
+    # model parallel = sequence parallel (as in DeepSpeed's SP state module)
+    get_model_parallel_group = get_sequence_parallel_group
+    get_model_parallel_world_size = get_sequence_parallel_world_size
+    get_model_parallel_rank = get_sequence_parallel_rank

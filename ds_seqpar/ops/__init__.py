@@ -1,0 +1,1 @@
+"""Math layer: single-device attention blocks, masks and merges (no process groups)."""

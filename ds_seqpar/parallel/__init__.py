@@ -1,0 +1,1 @@
+"""Algorithm layer: ops + comm composed into autograd Functions (no HuggingFace, no DeepSpeed)."""
