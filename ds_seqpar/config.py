@@ -32,7 +32,7 @@ import copy
 import difflib
 import json
 import os
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
 
@@ -91,7 +91,7 @@ class SequenceParallelConfig(_Section):
     size: StrictInt = Field(
         ..., description="SP degree P: ranks that split one sequence. World size must be a multiple.", ge=1
     )
-    ulysses_degree: StrictInt | Literal["auto"] = Field(
+    ulysses_degree: Annotated[StrictInt, Field(ge=1)] | Literal["auto"] = Field(
         "auto",
         description="Ulysses (all-to-all over heads) degree U; divides `size`; ring degree R = size / U. "
         '"auto" = the largest divisor of size that the KV heads allow without replication '
@@ -292,6 +292,12 @@ def _literal_choices(annotation: Any) -> list[Any]:
     return out
 
 
+def _accepts_int(annotation: Any) -> bool:
+    if annotation is int:
+        return True
+    return any(_accepts_int(arg) for arg in get_args(annotation))
+
+
 def _format_error(err: dict[str, Any]) -> str:
     """One readable line for one pydantic error: key, bad value, valid alternative."""
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in {"int", "literal['auto']"}))
@@ -312,12 +318,15 @@ def _format_error(err: dict[str, Any]) -> str:
     field = _model_at(loc).model_fields.get(str(loc[-1])) if loc else None
     annotation = field.annotation if field is not None else None
     choices = _literal_choices(annotation)
-    if kind == "literal_error" or (choices and kind in {"int_type", "string_type"}):
-        if choices and not any(a is StrictInt for a in get_args(annotation)):
-            return f"{key}={bad!r} is not valid; valid: {_fmt_choices(choices)}"
+    if choices and _accepts_int(annotation):
+        # a union such as `int >= 1 | "auto"`: one message for whichever branch complained
         return f"{key}={bad!r} is not valid; valid: a positive integer or {_fmt_choices(choices)}"
+    if choices:
+        return f"{key}={bad!r} is not valid; valid: {_fmt_choices(choices)}"
     if kind in {"greater_than_equal", "greater_than"}:
-        return f"{key}={bad!r} must be >= {err['ctx'].get('ge', err['ctx'].get('gt'))}; valid: e.g. 1, 2, 4, 8"
+        return (
+            f"{key}={bad!r} must be >= {err['ctx'].get('ge', err['ctx'].get('gt'))}; valid: e.g. 1, 2, 4, 8"
+        )
     if kind in {"int_type", "int_parsing", "int_from_float"}:
         return f"{key}={bad!r} must be an integer (JSON number without quotes); valid: e.g. 1, 2, 4, 8"
     if kind in {"bool_type", "bool_parsing"}:
@@ -343,7 +352,9 @@ def parse_section(section: dict[str, Any]) -> SequenceParallelConfig:
         raise SeqParConfigError("\n".join(dict.fromkeys(lines))) from None
 
 
-def load_config(config: str | os.PathLike[str] | dict[str, Any]) -> tuple[SequenceParallelConfig, dict[str, Any]]:
+def load_config(
+    config: str | os.PathLike[str] | dict[str, Any],
+) -> tuple[SequenceParallelConfig, dict[str, Any]]:
     """Read a whole DeepSpeed config (path or dict) and split off the ``sequence_parallel`` section.
 
     Returns:

@@ -112,11 +112,17 @@ class MeshPlan:
             return [[self.rank_of(d, q, x) for q in range(r)] for d in dps for x in range(u)]
         if kind == "ring_inner":
             return [
-                [self.rank_of(d, o * ri + i, x) for i in range(ri)] for d in dps for x in range(u) for o in range(ro)
+                [self.rank_of(d, o * ri + i, x) for i in range(ri)]
+                for d in dps
+                for x in range(u)
+                for o in range(ro)
             ]
         if kind == "ring_outer":
             return [
-                [self.rank_of(d, o * ri + i, x) for o in range(ro)] for d in dps for x in range(u) for i in range(ri)
+                [self.rank_of(d, o * ri + i, x) for o in range(ro)]
+                for d in dps
+                for x in range(u)
+                for i in range(ri)
             ]
         if kind == "dp":
             return [list(range(s, self.world_size, self.sp_size)) for s in range(self.sp_size)]

@@ -64,7 +64,9 @@ class CommStats:
     def record(self, kind: str, nbytes: int, messages: int = 1) -> None:
         """Add ``nbytes`` sent and ``messages`` calls to the counter of ``kind``."""
         if nbytes < 0 or messages < 0:
-            raise ValueError(f"negative communication volume: kind={kind!r} bytes={nbytes} messages={messages}")
+            raise ValueError(
+                f"negative communication volume: kind={kind!r} bytes={nbytes} messages={messages}"
+            )
         counter = self._counters.setdefault(kind, CommCounter())
         counter.bytes += int(nbytes)
         counter.messages += int(messages)

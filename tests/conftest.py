@@ -1,0 +1,24 @@
+"""Shared fixtures: one pool of gloo ranks per (test module, world size)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tests.harness import DistPool
+
+
+@pytest.fixture(scope="module")
+def dist_pool() -> Iterator[Callable[[int], DistPool]]:
+    """``dist_pool(n)`` returns this module's pool of ``n`` gloo ranks (spawned on first use)."""
+    pools: dict[int, DistPool] = {}
+
+    def get(world_size: int) -> DistPool:
+        if world_size not in pools:
+            pools[world_size] = DistPool(world_size)
+        return pools[world_size]
+
+    yield get
+    for pool in pools.values():
+        pool.close()

@@ -1,0 +1,226 @@
+"""The "sequence_parallel" section: defaults, loading, and one clear message per bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ds_seqpar import SeqParConfigError, load_config, parse_section
+from ds_seqpar.config import auto_ulysses_degree, config_field_paths
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_and_documented_example():
+    cfg = parse_section(
+        {
+            "enabled": True,
+            "size": 8,
+            "ulysses_degree": 2,
+            "ring": {"layout": "zigzag", "inner_size": None, "overlap": True},
+            "attention": "usp",
+            "kernel": "auto",
+        }
+    )
+    assert (cfg.size, cfg.ulysses_degree, cfg.ring_degree, cfg.ring_inner_size) == (8, 2, 4, 4)
+    minimal = parse_section({"size": 4})
+    assert (minimal.ring.layout, minimal.attention, minimal.kernel, minimal.ulysses_degree) == (
+        "zigzag",
+        "usp",
+        "auto",
+        "auto",
+    )
+
+
+def test_load_config_sets_deepspeed_sequence_parallel_size(tmp_path):
+    raw = {"train_micro_batch_size_per_gpu": 1, "sequence_parallel": {"size": 4, "ulysses_degree": 2}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(raw))
+    for source in (raw, path, str(path)):
+        section, ds = load_config(source)
+        assert section.size == 4
+        assert ds["sequence_parallel_size"] == 4
+        assert "sequence_parallel" not in ds
+        assert ds["train_micro_batch_size_per_gpu"] == 1
+    assert "sequence_parallel_size" not in raw  # the caller's dict is not modified
+    disabled, ds = load_config({"sequence_parallel": {"enabled": False, "size": 4}})
+    assert ds["sequence_parallel_size"] == 1 and not disabled.enabled
+
+
+def test_shipped_ds_configs_load():
+    paths = sorted((REPO / "ds_configs").glob("*.json"))
+    assert paths, "ds_configs/ ships at least one config"
+    for path in paths:
+        section, ds = load_config(path)
+        assert ds["sequence_parallel_size"] == section.size
+
+
+@pytest.mark.parametrize(
+    ("size", "heads", "kv", "expected"),
+    [(8, 32, 8, 8), (8, 8, 2, 2), (6, 12, 4, 2), (4, 8, 1, 1), (4, 2, 2, 2), (8, 4, 4, 4)],
+)
+def test_auto_ulysses_degree_rule(size, heads, kv, expected):
+    assert auto_ulysses_degree(size, heads, kv) == expected
+    resolved = parse_section({"size": size}).validate(
+        {"num_attention_heads": heads, "num_key_value_heads": kv}
+    )
+    assert resolved.ulysses_degree == expected
+
+
+def test_auto_for_pure_algorithms_needs_no_model():
+    assert parse_section({"size": 4, "attention": "ring"}).validate().resolved_ulysses_degree == 1
+    assert parse_section({"size": 4, "attention": "ulysses"}).validate().resolved_ulysses_degree == 4
+
+
+# Each bad section -> (regex the message must match: the key, the bad value, a valid alternative).
+BAD_SECTIONS = [
+    (
+        {"size": 8, "ulysses_degree": 3},
+        r"sequence_parallel\.ulysses_degree=3 does not divide size=8; valid: 1, 2, 4, 8",
+    ),
+    (
+        {"size": 8, "ulysses_degree": 0},
+        r"sequence_parallel\.ulysses_degree=0 is not valid; valid: a positive integer or auto",
+    ),
+    (
+        {"size": 8, "ulysses_degree": "autoo"},
+        r"sequence_parallel\.ulysses_degree='autoo' is not valid; valid: a positive integer or auto",
+    ),
+    (
+        {"size": 8, "ulysses_degree": 2.0},
+        r"sequence_parallel\.ulysses_degree=2\.0 is not valid; valid: a positive integer or auto",
+    ),
+    ({}, r"sequence_parallel\.size is required; e\.g\. sequence_parallel\.size=8"),
+    ({"size": 0}, r"sequence_parallel\.size=0 must be >= 1; valid: e\.g\. 1, 2, 4, 8"),
+    ({"size": "8"}, r"sequence_parallel\.size='8' must be an integer .*valid: e\.g\. 1, 2, 4, 8"),
+    ({"size": True}, r"sequence_parallel\.size=True must be an integer"),
+    (
+        {"size": 8, "sise": 8},
+        r"sequence_parallel\.sise is not a known key \(did you mean 'size'\?\); valid keys: enabled, size",
+    ),
+    (
+        {"size": 8, "ring": {"layuot": "zigzag"}},
+        r"sequence_parallel\.ring\.layuot is not a known key \(did you mean 'layout'\?\); valid keys: layout",
+    ),
+    (
+        {"size": 8, "ring": {"layout": "zig-zag"}},
+        r"sequence_parallel\.ring\.layout='zig-zag' is not valid; valid: contiguous, zigzag, stripe",
+    ),
+    (
+        {"size": 8, "ring": {"granularity": 0, "layout": "stripe"}},
+        r"sequence_parallel\.ring\.granularity=0 must be >= 1",
+    ),
+    (
+        {"size": 8, "ring": {"granularity": 64}},
+        r"sequence_parallel\.ring\.granularity=64 only applies to layout='stripe'.*valid: remove granularity or set ring\.layout='stripe'",
+    ),
+    (
+        {"size": 8, "ulysses_degree": 2, "ring": {"inner_size": 3}},
+        r"sequence_parallel\.ring\.inner_size=3 does not divide the ring degree R=4 .*valid: null, 1, 2, 4",
+    ),
+    (
+        {"size": 8, "ring": {"overlap": "yes"}},
+        r"sequence_parallel\.ring\.overlap='yes' must be a boolean; valid: true, false",
+    ),
+    (
+        {"size": 8, "ring": "zigzag"},
+        r"sequence_parallel\.ring='zigzag' must be an object \(JSON dict\); valid keys: layout, granularity, inner_size, overlap",
+    ),
+    (
+        {"size": 8, "attention": "usps"},
+        r"sequence_parallel\.attention='usps' is not valid; valid: usp, ulysses, ring",
+    ),
+    (
+        {"size": 8, "kernel": "flash"},
+        r"sequence_parallel\.kernel='flash' is not valid; valid: auto, torch, sdpa, flash_attn",
+    ),
+    (
+        {"size": 8, "enabled": "true"},
+        r"sequence_parallel\.enabled='true' must be a boolean; valid: true, false",
+    ),
+    (
+        {"size": 8, "attention": "ulysses", "ulysses_degree": 2},
+        r"sequence_parallel\.ulysses_degree=2 conflicts with attention='ulysses'.*valid: set ulysses_degree to 8",
+    ),
+    (
+        {"size": 8, "attention": "ring", "ulysses_degree": 2},
+        r"sequence_parallel\.ulysses_degree=2 conflicts with attention='ring'.*valid: set ulysses_degree to 1",
+    ),
+    (
+        {"size": 8, "attention": "ring", "ring": {"inner_size": 3}},
+        r"sequence_parallel\.ring\.inner_size=3 does not divide the ring degree R=8 .*valid: null, 1, 2, 4, 8",
+    ),
+]
+
+
+@pytest.mark.parametrize(("section", "message"), BAD_SECTIONS, ids=[m[:40] for _, m in BAD_SECTIONS])
+def test_bad_section_names_key_value_and_fix(section, message):
+    with pytest.raises(SeqParConfigError, match=message):
+        parse_section(section)
+
+
+def test_several_problems_are_reported_together():
+    with pytest.raises(SeqParConfigError) as info:
+        parse_section({"size": 8, "attention": "x", "kernel": "y"})
+    assert "sequence_parallel.attention='x'" in str(info.value)
+    assert "sequence_parallel.kernel='y'" in str(info.value)
+
+
+BAD_WORLD_OR_MODEL = [
+    (
+        {"size": 8, "ulysses_degree": 2},
+        None,
+        12,
+        r"sequence_parallel\.size=8 does not divide the world size 12.*valid: 1, 2, 3, 4, 6, 12",
+    ),
+    (
+        {"size": 8, "ulysses_degree": 8},
+        {"num_attention_heads": 4},
+        8,
+        r"sequence_parallel\.ulysses_degree=8 exceeds the model's num_attention_heads=4; valid: 1, 2, 4",
+    ),
+    (
+        {"size": 4},
+        {"num_attention_heads": 8, "num_key_value_heads": 3},
+        4,
+        r"num_key_value_heads=3, which does not divide num_attention_heads=8; valid: 1, 2, 4, 8",
+    ),
+    ({"size": 4}, {"hidden_size": 64}, 4, r"num_attention_heads=None.*pass the model's config"),
+    ({"size": 4}, None, 4, r"ulysses_degree=\"auto\" needs the model's head counts; pass model_config"),
+]
+
+
+@pytest.mark.parametrize(("section", "model", "world", "message"), BAD_WORLD_OR_MODEL)
+def test_validate_against_model_and_world(section, model, world, message):
+    with pytest.raises(SeqParConfigError, match=message):
+        parse_section(section).validate(model, world)
+
+
+def test_bad_files_and_top_level(tmp_path):
+    with pytest.raises(
+        SeqParConfigError, match=r"'missing\.json' does not exist; valid: a path .*ds_configs/usp_zero3\.json"
+    ):
+        load_config("missing.json")
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"sequence_parallel": {"size": 4,}}')
+    with pytest.raises(SeqParConfigError, match=r"broken\.json' is not valid JSON .*line 1"):
+        load_config(broken)
+    with pytest.raises(
+        SeqParConfigError, match=r"no 'sequence_parallel' section; valid: add \"sequence_parallel\""
+    ):
+        load_config({"train_batch_size": 8})
+    with pytest.raises(
+        SeqParConfigError,
+        match=r"sequence_parallel_size=2 \(DeepSpeed's key\) disagrees with sequence_parallel\.size=4; valid: .*set it to 4",
+    ):
+        load_config({"sequence_parallel_size": 2, "sequence_parallel": {"size": 4}})
+    with pytest.raises(SeqParConfigError, match=r"sequence_parallel=4 must be an object"):
+        load_config({"sequence_parallel": 4})
+
+
+def test_every_config_field_is_documented():
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    missing = [path for path in config_field_paths() if f"`{path}`" not in doc]
+    assert not missing, f"docs/configuration.md does not document: {missing}"
