@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 SECTION = "sequence_parallel"
 
 LayoutName = Literal["contiguous", "zigzag", "stripe"]
+ScheduleName = Literal["p2p", "all_gather"]
 AttentionName = Literal["usp", "ulysses", "ring"]
 KernelName = Literal["auto", "torch", "sdpa", "flash_attn"]
 
@@ -81,6 +82,11 @@ class RingConfig(_Section):
     )
     overlap: StrictBool = Field(
         True, description="Overlap the K/V transfer of ring step s+1 with the compute of step s."
+    )
+    schedule: ScheduleName = Field(
+        "p2p",
+        description="How K/V reach every rank: p2p (ring / double ring of isend/irecv) | all_gather "
+        "(Llama-3 style all-gather K/V + reduce-scatter dK/dV; for irregular packed batches).",
     )
 
 
@@ -129,6 +135,11 @@ class SequenceParallelConfig(_Section):
             self._check_ring(p // u)
         elif self.attention == "ring":
             self._check_ring(p)
+        if self.ring.schedule == "all_gather" and self.ring.inner_size is not None:
+            raise ValueError(
+                f"sequence_parallel.ring.inner_size={self.ring.inner_size} needs ring.schedule='p2p' (a double "
+                "ring is a P2P schedule); valid: ring.inner_size=null or ring.schedule='p2p'"
+            )
         if self.ring.layout != "stripe" and self.ring.granularity != 1:
             raise ValueError(
                 f"sequence_parallel.ring.granularity={self.ring.granularity} only applies to layout='stripe' "

@@ -126,7 +126,7 @@ BAD_SECTIONS = [
     ),
     (
         {"size": 8, "ring": "zigzag"},
-        r"sequence_parallel\.ring='zigzag' must be an object \(JSON dict\); valid keys: layout, granularity, inner_size, overlap",
+        r"sequence_parallel\.ring='zigzag' must be an object \(JSON dict\); valid keys: layout, granularity, inner_size, overlap, schedule",
     ),
     (
         {"size": 8, "attention": "usps"},

@@ -1,0 +1,298 @@
+"""Moving K/V blocks between the ranks of a ring: neighbour exchange and block schedules.
+
+Legend: R = ring degree, R_in / R_out = inner / outer ring sizes of the double ring
+(R = R_out · R_in; ring_rank = outer · R_in + inner), n = local tokens, "payload" = a tuple of
+tensors moved together (K and V in forward, dK and dV accumulators in backward).
+
+``RingComm``: one ring (ordered member list of a process group). ``exchange(payload)`` posts one
+batched isend to the next rank and irecv from the previous one, and returns a ``PendingExchange``
+whose ``wait()`` yields the received payload. Receives go into two alternating buffer sets
+(double buffering): the payload received at step s is computed on while step s+1 receives into
+the other set.
+
+Schedules decide which block a rank holds at each step and when transfers are posted; they are
+generators so the attention math (``parallel/ring.py``) stays free of communication:
+
+* ``RingSchedule`` - the single ring (R_out = 1) and the double / hierarchical ring: for each outer
+  step the block that arrived on the outer ring circulates the inner ring, while the next outer
+  transfer is in flight behind the whole inner loop. Backward re-circulates K/V the same way and
+  carries a dK/dV accumulator with each block; after the last step the accumulator arrives at the
+  block's owner (one extra send per ring level).
+* ``AllGatherSchedule`` - the Llama-3 context-parallel style: all-gather K/V over the ring group,
+  compute against every block, reduce-scatter dK/dV back to owners. Suited to irregular packed
+  batches and the most accurate (no travelling accumulators).
+
+Bytes sent per rank and layer (b = bytes per element), checked by tests against ALGORITHMS.md §4:
+single ring forward 2(R−1)·B·n·H_kv·D·b; backward the same for K/V plus 2R·B·n·H_kv·D·b_acc for
+dK/dV. Tags: gloo matches P2P by tag, so K/V and accumulators use distinct tags.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ds_seqpar.comm.stats import CommStats
+
+Payload = tuple[torch.Tensor, ...]
+# (owner ring rank of the block, the block's tensors)
+Block = tuple[int, Payload]
+
+# torch >= 2.11 names; older releases only have the *_tensor spellings (same arguments)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+TAG_KV = 11
+TAG_GRAD = 12
+
+
+class PendingExchange:
+    """An exchange in flight: ``wait()`` completes the sends and receives and returns the payload."""
+
+    def __init__(self, requests: list[dist.Work], received: Payload) -> None:
+        self._requests = requests
+        self._received = received
+
+    def wait(self) -> Payload:
+        for req in self._requests:
+            req.wait()
+        self._requests = []
+        return self._received
+
+
+class RingComm:
+    """Neighbour exchange on one ring: send to the next member, receive from the previous one.
+
+    Args:
+        group: the process group of the ring.
+        members: its global ranks in ring order.
+        index: this rank's position in ``members``.
+        stats: counter that every exchange reports to (kind ``"p2p"``).
+    """
+
+    def __init__(
+        self, group: object, members: Sequence[int], index: int, stats: CommStats | None = None
+    ) -> None:
+        if not 0 <= index < len(members):
+            raise ValueError(f"ring index {index} is outside the ring of {len(members)} members")
+        self.group = group
+        self.members = list(members)
+        self.index = index
+        self.stats = stats
+        self._buffers: dict[int, list[Payload]] = {}
+        self._flip: dict[int, int] = {}
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def next_rank(self) -> int:
+        return self.members[(self.index + 1) % self.size]
+
+    @property
+    def prev_rank(self) -> int:
+        return self.members[(self.index - 1) % self.size]
+
+    def _receive_buffers(self, payload: Payload, tag: int) -> Payload:
+        """The next of two alternating buffer sets for payloads of this shape (double buffering)."""
+        sets = self._buffers.get(tag)
+        if sets is None or any(b.shape != t.shape or b.dtype != t.dtype for b, t in zip(sets[0], payload)):
+            sets = [tuple(torch.empty_like(t) for t in payload) for _ in range(2)]
+            self._buffers[tag] = sets
+            self._flip[tag] = 0
+        slot = self._flip[tag]
+        self._flip[tag] = 1 - slot
+        return sets[slot]
+
+    def exchange(self, payload: Payload, tag: int = TAG_KV) -> PendingExchange:
+        """Post ``payload`` to the next rank and a receive of the same shapes from the previous one.
+
+        The received tensors live in a buffer set that is reused two exchanges later: consume (or
+        copy) them before then.
+        """
+        if self.size == 1:
+            raise RuntimeError("a ring of one rank has nothing to exchange (gloo refuses send-to-self)")
+        payload = tuple(t.contiguous() for t in payload)
+        received = self._receive_buffers(payload, tag)
+        ops = [dist.P2POp(dist.isend, t, self.next_rank, self.group, tag) for t in payload]
+        ops += [dist.P2POp(dist.irecv, r, self.prev_rank, self.group, tag) for r in received]
+        requests = dist.batch_isend_irecv(ops)
+        if self.stats is not None:
+            self.stats.record_tensors("p2p", *payload)
+        return PendingExchange(requests, received)
+
+
+@dataclass
+class RingSchedule:
+    """Single ring (``outer`` is None or of size 1) or double ring over ``inner`` x ``outer``.
+
+    ``ring_rank = outer.index * inner.size + inner.index``; the block a rank holds at outer step t,
+    inner step u belongs to ring rank ``((o - t) mod R_out) * R_in + (i - u) mod R_in``.
+    """
+
+    inner: RingComm
+    outer: RingComm | None = None
+    overlap: bool = True
+
+    @property
+    def inner_size(self) -> int:
+        return self.inner.size
+
+    @property
+    def outer_size(self) -> int:
+        return 1 if self.outer is None else self.outer.size
+
+    @property
+    def size(self) -> int:
+        return self.inner_size * self.outer_size
+
+    @property
+    def ring_rank(self) -> int:
+        outer_index = 0 if self.outer is None else self.outer.index
+        return outer_index * self.inner_size + self.inner.index
+
+    def owner(self, t: int, u: int) -> int:
+        """Ring rank whose block this rank holds at outer step ``t``, inner step ``u``."""
+        o = 0 if self.outer is None else self.outer.index
+        return ((o - t) % self.outer_size) * self.inner_size + (self.inner.index - u) % self.inner_size
+
+    def forward(self, kv: Payload) -> Iterator[Block]:
+        """Yield every ring rank's K/V block once, starting with this rank's own."""
+        r_in, r_out = self.inner_size, self.outer_size
+        outer_cur = kv
+        for t in range(r_out):
+            outer_next = None
+            if t + 1 < r_out and self.overlap:
+                outer_next = self.outer.exchange(outer_cur)  # hidden behind the whole inner loop
+            cur = outer_cur
+            for u in range(r_in):
+                inner_next = None
+                if u + 1 < r_in and self.overlap:
+                    inner_next = self.inner.exchange(cur)
+                yield self.owner(t, u), cur
+                if u + 1 < r_in:
+                    cur = (inner_next or self.inner.exchange(cur)).wait()
+            if t + 1 < r_out:
+                outer_cur = (outer_next or self.outer.exchange(outer_cur)).wait()
+
+    def backward(self, kv: Payload) -> Generator[Block, Payload, Payload]:
+        """Yield every block again; ``send()`` back its gradients; return this rank's own block gradients.
+
+        The gradient accumulator of a block travels with it around the inner ring and returns to
+        the rank that brought it in from the outer ring, then travels the outer ring to its owner.
+        Gradients sent back must be fresh tensors (they are accumulated into in place).
+        """
+        r_in, r_out = self.inner_size, self.outer_size
+        outer_cur = kv
+        outer_acc: PendingExchange | None = None
+        acc: Payload = ()
+        for t in range(r_out):
+            outer_next = None
+            if t + 1 < r_out and self.overlap:
+                outer_next = self.outer.exchange(outer_cur)
+            cur = outer_cur
+            inner_acc: PendingExchange | None = None
+            for u in range(r_in):
+                inner_next = None
+                if u + 1 < r_in and self.overlap:
+                    inner_next = self.inner.exchange(cur)
+                grads = yield self.owner(t, u), cur
+                acc = _accumulate(inner_acc, grads)
+                if r_in > 1:  # the accumulator follows its block; the last send returns it home
+                    inner_acc = self.inner.exchange(acc, TAG_GRAD)
+                if u + 1 < r_in:
+                    cur = (inner_next or self.inner.exchange(cur)).wait()
+            if inner_acc is not None:
+                acc = inner_acc.wait()
+            if r_out > 1:
+                # own the payload of the outer send: inner buffers are reused while it is in flight
+                acc = _accumulate(outer_acc, acc) if outer_acc is not None else tuple(a.clone() for a in acc)
+                outer_acc = self.outer.exchange(acc, TAG_GRAD)
+            if t + 1 < r_out:
+                outer_cur = (outer_next or self.outer.exchange(outer_cur)).wait()
+        if outer_acc is not None:
+            acc = outer_acc.wait()
+        return tuple(a.clone() for a in acc) if r_in * r_out > 1 else acc
+
+
+def _accumulate(pending: PendingExchange | None, grads: Payload) -> Payload:
+    """``received + grads`` (in place into the receive buffers), or ``grads`` when nothing is pending."""
+    if pending is None:
+        return grads
+    received = pending.wait()
+    for r, g in zip(received, grads):
+        r.add_(g)
+    return received
+
+
+class AllGatherSchedule:
+    """All-gather K/V over the ring group; reduce-scatter dK/dV back to the owners.
+
+    Args:
+        group: ring process group; members: its global ranks in ring order; index: this rank's
+        position; stats: counter (kinds ``"all_gather"`` and ``"reduce_scatter"``).
+    """
+
+    def __init__(
+        self, group: object, members: Sequence[int], index: int, stats: CommStats | None = None
+    ) -> None:
+        self.group = group
+        self.members = list(members)
+        self.index = index
+        self.stats = stats
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def ring_rank(self) -> int:
+        return self.index
+
+    def _gather(self, kv: Payload) -> list[Payload]:
+        """Every rank's payload, indexed by ring rank."""
+        if self.size == 1:
+            return [kv]
+        gathered = []
+        for t in kv:
+            t = t.contiguous()
+            out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))  # concatenated on dim 0
+            _all_gather_single(out, t, group=self.group)
+            gathered.append(out.view(self.size, *t.shape))
+        if self.stats is not None:
+            self.stats.record_tensors("all_gather", *kv, copies=self.size - 1)
+        return [tuple(g[j] for g in gathered) for j in range(self.size)]
+
+    def _order(self) -> list[int]:
+        """Own block first, then the others (the same order as the ring's first step)."""
+        return [(self.index - s) % self.size for s in range(self.size)]
+
+    def forward(self, kv: Payload) -> Iterator[Block]:
+        blocks = self._gather(kv)
+        for j in self._order():
+            yield j, blocks[j]
+
+    def backward(self, kv: Payload) -> Generator[Block, Payload, Payload]:
+        blocks = self._gather(kv)
+        sums: list[torch.Tensor] | None = None
+        for j in self._order():
+            grads = yield j, blocks[j]
+            if sums is None:
+                sums = [g.new_zeros((self.size, *g.shape)) for g in grads]
+            for s, g in zip(sums, grads):
+                s[j] += g
+        assert sums is not None
+        if self.size == 1:
+            return tuple(s[0] for s in sums)
+        local = []
+        for s in sums:
+            out = s.new_empty(s.shape[1:])
+            _reduce_scatter_single(out, s.flatten(0, 1), group=self.group)
+            local.append(out)
+        if self.stats is not None:
+            self.stats.record_tensors("reduce_scatter", *local, copies=self.size - 1)
+        return tuple(local)

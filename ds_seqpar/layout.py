@@ -1,0 +1,174 @@
+"""Token layouts over the R ranks of a ring: which global tokens each rank holds, in which order.
+
+Legend: S = global sequence length, P = ranks in the layout (the ring degree R), n = S / P local
+tokens, m = S / (2P) zigzag chunk, G = stripe granularity.
+
+=============== ======================================================== ===================
+layout          rank r holds (in this local order)                        S must divide by
+=============== ======================================================== ===================
+``contiguous``  tokens [r·n, (r+1)·n)                                     P
+``zigzag``      chunks c_r and c_{2P-1-r} of 2P equal chunks              2P
+``stripe``      blocks b of G tokens with b mod P = r, in increasing b    P·G
+=============== ======================================================== ===================
+
+Zigzag pairs an early chunk with a late one, so under a causal mask every rank does the same
+amount of attention work; stripes balance any position-dependent cost. Every function works from
+global token positions, which is also what the attention masks are built from (``ops/masks.py``),
+so a layout never needs its own mask logic.
+
+Packed batches: ``doc_ids_from_cu_seqlens`` turns cumulative document lengths into a per-token
+document id (and ``positions_from_cu_seqlens`` into per-document positions for RoPE); shard them
+like any other tensor with ``SeqLayout.shard``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+LayoutKind = Literal["contiguous", "zigzag", "stripe"]
+LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "stripe")
+
+
+class LayoutError(ValueError):
+    """A length, rank or tensor that a layout cannot handle; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class SeqLayout:
+    """How a sequence of S tokens is split over ``world`` ranks.
+
+    Args:
+        kind: ``contiguous`` | ``zigzag`` | ``stripe``.
+        world: number of ranks sharing the sequence (the ring degree).
+        granularity: stripe width G in tokens (``stripe`` only).
+    """
+
+    kind: str
+    world: int
+    granularity: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in LAYOUTS:
+            raise LayoutError(f"layout={self.kind!r} is not a layout; valid: {', '.join(LAYOUTS)}")
+        if self.world < 1:
+            raise LayoutError(f"layout world={self.world} must be >= 1 (the number of ring ranks)")
+        if self.granularity < 1:
+            raise LayoutError(f"stripe granularity={self.granularity} must be >= 1")
+        if self.kind != "stripe" and self.granularity != 1:
+            raise LayoutError(
+                f"granularity={self.granularity} only applies to layout='stripe' (layout is {self.kind!r})"
+            )
+
+    @property
+    def multiple(self) -> int:
+        """S must be a multiple of this."""
+        if self.kind == "zigzag":
+            return 2 * self.world
+        if self.kind == "stripe":
+            return self.world * self.granularity
+        return self.world
+
+    def check_length(self, seq_len: int) -> None:
+        """Raise ``LayoutError`` naming the length, the required multiple and the padded length."""
+        mult = self.multiple
+        if seq_len < 1 or seq_len % mult != 0:
+            padded = max(mult, -(-seq_len // mult) * mult)
+            why = {
+                "contiguous": f"{self.world} (ranks)",
+                "zigzag": f"{mult} (2 x {self.world} ranks)",
+                "stripe": f"{mult} ({self.world} ranks x granularity {self.granularity})",
+            }[self.kind]
+            raise LayoutError(
+                f"sequence length {seq_len} cannot be split by layout='{self.kind}' over {self.world} ranks: "
+                f"it must be a multiple of {why}; pad it to {padded} (ds_seqpar.data pads for you) "
+                f"or change the layout"
+            )
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world:
+            raise LayoutError(
+                f"rank={rank} is outside the layout's {self.world} ranks; valid: 0..{self.world - 1}"
+            )
+
+    def local_positions(self, seq_len: int, rank: int) -> torch.Tensor:
+        """Global token positions held by ``rank``, in local order: int64 ``[S / world]``."""
+        self.check_length(seq_len)
+        self._check_rank(rank)
+        p, n = self.world, seq_len // self.world
+        if self.kind == "contiguous":
+            return torch.arange(rank * n, (rank + 1) * n)
+        if self.kind == "zigzag":
+            m = n // 2
+            first = torch.arange(rank * m, (rank + 1) * m)
+            second = torch.arange((2 * p - 1 - rank) * m, (2 * p - rank) * m)
+            return torch.cat([first, second])
+        g = self.granularity
+        blocks = torch.arange(rank, seq_len // g, p)
+        return (blocks[:, None] * g + torch.arange(g)[None, :]).reshape(-1)
+
+    def permutation(self, seq_len: int) -> torch.Tensor:
+        """All ranks' positions concatenated in rank order: ``x[:, perm]`` is the sharded order."""
+        return torch.cat([self.local_positions(seq_len, r) for r in range(self.world)])
+
+    def segments(self, seq_len: int) -> list[tuple[int, int]]:
+        """Local index ranges used as attention blocks (runs of consecutive global positions).
+
+        Zigzag has two (its early and late chunk), which lets the ring skip the empty half-blocks
+        of a causal mask; contiguous and stripe layouts use one block per rank.
+        """
+        n = seq_len // self.world
+        if self.kind == "zigzag":
+            return [(0, n // 2), (n // 2, n)]
+        return [(0, n)]
+
+    def shard(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
+        """This rank's part of a global tensor ``x`` (sequence along ``dim``)."""
+        seq_len = x.shape[dim]
+        return x.index_select(dim, self.local_positions(seq_len, rank).to(x.device))
+
+    def unshard(self, shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
+        """Reassemble the global tensor from every rank's shard (rank order)."""
+        if len(shards) != self.world:
+            raise LayoutError(f"unshard got {len(shards)} shards for a layout over {self.world} ranks")
+        stacked = torch.cat(list(shards), dim=dim)
+        perm = self.permutation(stacked.shape[dim]).to(stacked.device)
+        return stacked.index_select(dim, torch.argsort(perm))
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int], seq_len: int) -> torch.Tensor:
+    cu = torch.as_tensor(cu_seqlens, dtype=torch.int64).reshape(-1)
+    if cu.numel() < 2 or cu[0].item() != 0:
+        raise LayoutError(
+            f"cu_seqlens={cu.tolist()} must start at 0 and hold at least one document, e.g. [0, {seq_len}]"
+        )
+    if bool((cu[1:] <= cu[:-1]).any()):
+        raise LayoutError(f"cu_seqlens={cu.tolist()} must be strictly increasing (no empty documents)")
+    if cu[-1].item() > seq_len:
+        raise LayoutError(
+            f"cu_seqlens ends at {cu[-1].item()}, beyond the sequence length {seq_len}; the last entry must be <= S"
+        )
+    return cu
+
+
+def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int], seq_len: int) -> torch.Tensor:
+    """Per-token document id ``[S]`` (int64) from cumulative lengths; tokens past the end get -1 (padding)."""
+    cu = _check_cu_seqlens(cu_seqlens, seq_len)
+    ids = torch.full((seq_len,), -1, dtype=torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    ids[: int(cu[-1])] = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    return ids
+
+
+def positions_from_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int], seq_len: int) -> torch.Tensor:
+    """Per-token position inside its document ``[S]`` (RoPE positions of a packed row); padding continues."""
+    cu = _check_cu_seqlens(cu_seqlens, seq_len)
+    pos = torch.arange(seq_len)
+    starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])
+    pos[: int(cu[-1])] -= starts
+    end = int(cu[-1])
+    pos[end:] -= int(cu[-2])  # padding continues the last document's positions
+    return pos

@@ -1,0 +1,274 @@
+"""The ring engine: one autograd Function for every ring-shaped attention (ALGORITHMS.md §4–7, §17.3).
+
+Legend:
+    B, H, H_kv, D  batch, query heads, key/value heads, head dim
+    R              ranks in the ring (the schedule's size); S = global length over the ring
+    n = S / R      local tokens; q ``[B, n, H, D]``, k/v ``[B, n, H_kv, D]`` in the layout's order
+    out ``[B, n, H, D]`` (q.dtype), lse ``[B, H, n]`` (fp32, fp64 for fp64 inputs)
+
+A variant is a triple, not a file:
+    schedule  which K/V block a rank holds at each step and how blocks move (``comm/p2p.py``:
+              single ring, double ring, all-gather)
+    layout    which global positions each rank holds (``layout.py``: contiguous, zigzag, stripe);
+              its ``segments`` are the sub-blocks the engine classifies
+    kernel    the block attention (``ops/attention.py``: torch, sdpa, flash_attn)
+
+Every (query segment, key segment) pair is classified from global positions and document ids
+(``ops/masks.py``): EMPTY pairs are skipped (this is what makes zigzag and stripes balanced), FULL
+and CAUSAL pairs run without a mask tensor, PARTIAL pairs with one. Forward merges the partial
+``(out, lse)`` in fp32 (log-sigmoid form, ``ops/merge.py``); backward re-circulates K/V, carries the
+dK/dV accumulators with their blocks and keeps dq local (ALGORITHMS.md §0.3). GQA moves only the
+H_kv heads. Communication lives entirely in the schedule; this module never calls a collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ds_seqpar.comm.p2p import AllGatherSchedule, RingComm, RingSchedule
+from ds_seqpar.layout import SeqLayout
+from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward
+from ds_seqpar.ops.masks import BlockKind, MaskSpec, classify_block
+from ds_seqpar.ops.merge import merge_attn_
+
+Schedule = RingSchedule | AllGatherSchedule
+SCHEDULES = ("p2p", "all_gather")
+
+
+@dataclass
+class WorkCounter:
+    """Attention work this rank actually computed: score pairs (query x key) and blocks.
+
+    Balance across ranks is ``max / mean`` of ``forward_pairs`` (1.0 = perfect).
+    """
+
+    forward_pairs: int = 0
+    backward_pairs: int = 0
+    blocks: int = 0
+    skipped_blocks: int = 0
+    per_step: list[int] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.forward_pairs = self.backward_pairs = self.blocks = self.skipped_blocks = 0
+        self.per_step.clear()
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """Everything a ring attention call needs besides q, k, v (explicit; nothing global).
+
+    Args:
+        schedule: how K/V blocks move (``build_schedule``).
+        layout: token layout over the ring; ``layout.world`` must equal the schedule's size.
+        spec: causal / sliding window, in global positions.
+        doc_ids: document id per token in GLOBAL order, ``[S]`` or ``[B, S]`` (packed batches;
+            negative = padding), or None for one document per row.
+        kernel: block kernel name (``"auto"``, ``"torch"``, ``"sdpa"``, ``"flash_attn"``).
+        work: optional counter of the work this rank computes.
+    """
+
+    schedule: Schedule
+    layout: SeqLayout
+    spec: MaskSpec = field(default_factory=MaskSpec)
+    doc_ids: torch.Tensor | None = None
+    kernel: str = "auto"
+    work: WorkCounter | None = None
+
+    def __post_init__(self) -> None:
+        if self.layout.world != self.schedule.size:
+            raise ValueError(
+                f"layout over {self.layout.world} ranks does not match the ring of {self.schedule.size} ranks; "
+                "build the layout with world = ring degree"
+            )
+
+
+@dataclass(frozen=True)
+class _BlockTask:
+    """One (query segment, key segment) pair to compute, with its mask."""
+
+    q_rows: slice
+    k_rows: slice
+    kind: BlockKind
+    mask: torch.Tensor | None
+
+    @property
+    def pairs(self) -> int:
+        return (self.q_rows.stop - self.q_rows.start) * (self.k_rows.stop - self.k_rows.start)
+
+
+def _tasks(plan: RingPlan, seq_len: int, owner: int, q_pos: torch.Tensor, q_doc: Any) -> list[_BlockTask]:
+    """Classify every segment pair of (this rank's queries, ``owner``'s keys); EMPTY pairs dropped."""
+    layout = plan.layout
+    k_pos = layout.local_positions(seq_len, owner).to(q_pos.device)
+    k_doc = None if plan.doc_ids is None else layout.shard(plan.doc_ids, owner, dim=-1).to(q_pos.device)
+    if k_doc is not None:
+        k_pos = k_pos.expand(k_doc.shape)  # per-row documents need per-row positions
+    tasks = []
+    skipped = 0
+    for qa, qb in layout.segments(seq_len):
+        for ka, kb in layout.segments(seq_len):
+            kind, mask = classify_block(
+                q_pos[..., qa:qb],
+                k_pos[..., ka:kb],
+                plan.spec,
+                None if q_doc is None else q_doc[..., qa:qb],
+                None if k_doc is None else k_doc[..., ka:kb],
+            )
+            if kind is BlockKind.EMPTY:
+                skipped += 1
+                continue
+            tasks.append(_BlockTask(slice(qa, qb), slice(ka, kb), kind, mask))
+    if plan.work is not None:
+        plan.work.skipped_blocks += skipped
+    return tasks
+
+
+def _query_meta(plan: RingPlan, seq_len: int, device: torch.device) -> tuple[torch.Tensor, Any]:
+    me = plan.schedule.ring_rank
+    q_pos = plan.layout.local_positions(seq_len, me).to(device)
+    q_doc = None if plan.doc_ids is None else plan.layout.shard(plan.doc_ids, me, dim=-1).to(device)
+    if q_doc is not None:
+        q_pos = q_pos.expand(q_doc.shape)
+    return q_pos, q_doc
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan) -> int:
+    """Validate shapes before any communication; return the global length S."""
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(
+            f"ring attention takes q [B, n, H, D] and k, v [B, n, H_kv, D]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(
+            f"k {tuple(k.shape)} must match q {tuple(q.shape)} in batch, local length and head dim"
+        )
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(
+            f"query heads H={q.shape[2]} must be a multiple of key/value heads H_kv={k.shape[2]}"
+        )
+    seq_len = q.shape[1] * plan.layout.world
+    plan.layout.check_length(seq_len)
+    if plan.doc_ids is not None and plan.doc_ids.shape[-1] != seq_len:
+        raise ValueError(
+            f"doc_ids has {plan.doc_ids.shape[-1]} tokens but the ring holds S = {q.shape[1]} x "
+            f"{plan.layout.world} = {seq_len}; pass document ids of the whole (global-order) sequence"
+        )
+    return seq_len
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float):
+        seq_len = _check_inputs(q, k, v, plan)
+        q_pos, q_doc = _query_meta(plan, seq_len, q.device)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        b, n, h, d = q.shape
+        out = torch.zeros(b, n, h, d, dtype=acc, device=q.device)
+        lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
+        for owner, (k_blk, v_blk) in plan.schedule.forward((k, v)):
+            step_pairs = 0
+            for task in _tasks(plan, seq_len, owner, q_pos, q_doc):
+                out_blk, lse_blk = block_attn_forward(
+                    q[:, task.q_rows],
+                    k_blk[:, task.k_rows],
+                    v_blk[:, task.k_rows],
+                    scale=scale,
+                    mask=task.mask,
+                    causal=task.kind is BlockKind.CAUSAL,
+                    kernel=plan.kernel,
+                )
+                merge_attn_(out, lse, out_blk, lse_blk, rows=task.q_rows)
+                step_pairs += task.pairs
+            if plan.work is not None:
+                plan.work.forward_pairs += step_pairs
+                plan.work.per_step.append(step_pairs)
+                plan.work.blocks += 1
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale, ctx.seq_len = plan, scale, seq_len
+        ctx.mark_non_differentiable(lse)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan: RingPlan = ctx.plan
+        q_pos, q_doc = _query_meta(plan, ctx.seq_len, q.device)
+        acc = out.dtype
+        dq = torch.zeros_like(q, dtype=acc)
+        steps = plan.schedule.backward((k, v))
+        owner, (k_blk, v_blk) = next(steps)
+        while True:
+            dk = torch.zeros_like(k_blk, dtype=acc)
+            dv = torch.zeros_like(v_blk, dtype=acc)
+            for task in _tasks(plan, ctx.seq_len, owner, q_pos, q_doc):
+                dq_p, dk_p, dv_p = block_attn_backward(
+                    dout[:, task.q_rows],
+                    q[:, task.q_rows],
+                    k_blk[:, task.k_rows],
+                    v_blk[:, task.k_rows],
+                    out[:, task.q_rows],
+                    lse[:, :, task.q_rows],
+                    scale=ctx.scale,
+                    mask=task.mask,
+                    causal=task.kind is BlockKind.CAUSAL,
+                    kernel=plan.kernel,
+                )
+                dq[:, task.q_rows] += dq_p
+                dk[:, task.k_rows] += dk_p
+                dv[:, task.k_rows] += dv_p
+                if plan.work is not None:
+                    plan.work.backward_pairs += task.pairs
+            try:
+                owner, (k_blk, v_blk) = steps.send((dk, dv))
+            except StopIteration as done:
+                dk_local, dv_local = done.value
+                break
+        return dq.to(q.dtype), dk_local.to(k.dtype), dv_local.to(v.dtype), None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: RingPlan,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of this rank's queries over the keys of every rank in the ring.
+
+    Args:
+        q: ``[B, n, H, D]``; k, v: ``[B, n, H_kv, D]``, this rank's tokens in ``plan.layout`` order.
+        plan: schedule, layout, mask spec, document ids, kernel, work counter.
+        softmax_scale: default ``D ** -0.5``.
+
+    Returns:
+        ``(out [B, n, H, D] in q.dtype, lse [B, H, n])``; differentiable in q, k, v.
+    """
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return _RingAttention.apply(q, k, v, plan, scale)
+
+
+def build_schedule(mesh: Any, kind: str = "p2p", overlap: bool = True) -> Schedule:
+    """The schedule over ``mesh``'s ring axis: single ring, double ring (``ring_inner < ring``) or all-gather.
+
+    Args:
+        mesh: a ``SeqParMesh``; its ``ring_inner`` / ``ring_outer`` groups define the double ring.
+        kind: ``"p2p"`` (ring) or ``"all_gather"`` (Llama-3 style).
+        overlap: overlap transfers with compute (p2p only).
+    """
+    if kind not in SCHEDULES:
+        raise ValueError(f"ring schedule {kind!r} is unknown; valid: {', '.join(SCHEDULES)}")
+    c = mesh.coords
+    stats = mesh.comm_stats
+    if kind == "all_gather":
+        return AllGatherSchedule(mesh.group("ring"), mesh.members["ring"], c.ring_rank, stats)
+    if mesh.ring_inner_size == mesh.ring_size:
+        return RingSchedule(
+            RingComm(mesh.group("ring"), mesh.members["ring"], c.ring_rank, stats), None, overlap
+        )
+    inner = RingComm(mesh.group("ring_inner"), mesh.members["ring_inner"], c.ring_inner_rank, stats)
+    outer = RingComm(mesh.group("ring_outer"), mesh.members["ring_outer"], c.ring_outer_rank, stats)
+    return RingSchedule(inner, outer, overlap)
