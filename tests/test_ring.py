@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ds_seqpar import SeqParMesh
+from ds_seqpar.comm.p2p import RingComm, RingSchedule
 from ds_seqpar.layout import SeqLayout, doc_ids_from_cu_seqlens
 from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward
 from ds_seqpar.ops.masks import MaskSpec, token_mask
@@ -355,3 +356,47 @@ def test_bf16_error_does_not_grow_with_p(dist_pool):
         ring_err = max(r[name][0] for r in per_rank)
         single_err = max(r[name][1] for r in per_rank)
         assert ring_err <= 2 * single_err, (name, ring_err, single_err)
+
+
+def _offline_plan(world: int, layout: str = "zigzag", **kw) -> RingPlan:
+    """A plan whose ring has no process group: valid only for errors raised before any transfer."""
+    return RingPlan(RingSchedule(RingComm(None, list(range(world)), 0)), SeqLayout(layout, world), **kw)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "plan_kw", "message"),
+    [
+        (
+            ((2, 8, 4), (2, 8, 4, 8), (2, 8, 4, 8)),
+            {},
+            r"q \[B, n, H, D\] and k, v \[B, n, H_kv, D\]; got q \(2, 8, 4\)",
+        ),
+        (((2, 8, 4, 8), (2, 6, 4, 8), (2, 6, 4, 8)), {}, r"k \(2, 6, 4, 8\) must match q \(2, 8, 4, 8\)"),
+        (
+            ((2, 8, 6, 8), (2, 8, 4, 8), (2, 8, 4, 8)),
+            {},
+            r"query heads H=6 must be a multiple of key/value heads H_kv=4",
+        ),
+        (
+            ((1, 3, 2, 8), (1, 3, 2, 8), (1, 3, 2, 8)),
+            {},
+            r"sequence length 6 cannot be split by layout='zigzag' over 2 ranks",
+        ),
+        (
+            ((1, 4, 2, 8), (1, 4, 2, 8), (1, 4, 2, 8)),
+            {"doc_ids": torch.zeros(6, dtype=torch.long)},
+            r"doc_ids has 6 tokens but the ring holds S = 4 x 2 = 8",
+        ),
+    ],
+)
+def test_bad_inputs_fail_before_any_transfer(shapes, plan_kw, message):
+    q, k, v = (torch.zeros(s) for s in shapes)
+    with pytest.raises(ValueError, match=message):
+        ring_attention(q, k, v, _offline_plan(2, **plan_kw))
+
+
+def test_plan_and_schedule_errors():
+    with pytest.raises(ValueError, match=r"layout over 4 ranks does not match the ring of 2 ranks"):
+        RingPlan(RingSchedule(RingComm(None, [0, 1], 0)), SeqLayout("zigzag", 4))
+    with pytest.raises(ValueError, match=r"ring schedule 'tree' is unknown; valid: p2p, all_gather"):
+        build_schedule(None, "tree")
