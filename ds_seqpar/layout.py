@@ -23,6 +23,7 @@ like any other tensor with ``SeqLayout.shard``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -37,8 +38,34 @@ class LayoutError(ValueError):
     """A length, rank or tensor that a layout cannot handle; the message says what to change."""
 
 
+class _PositionLayout:
+    """Shared by every layout: everything follows from ``local_positions`` and ``world``."""
+
+    world: int
+
+    def local_positions(self, seq_len: int, rank: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def permutation(self, seq_len: int) -> torch.Tensor:
+        """All ranks' positions concatenated in rank order: ``x[:, perm]`` is the sharded order."""
+        return torch.cat([self.local_positions(seq_len, r) for r in range(self.world)])
+
+    def shard(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
+        """This rank's part of a global tensor ``x`` (sequence along ``dim``)."""
+        seq_len = x.shape[dim]
+        return x.index_select(dim, self.local_positions(seq_len, rank).to(x.device))
+
+    def unshard(self, shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
+        """Reassemble the global tensor from every rank's shard (rank order)."""
+        if len(shards) != self.world:
+            raise LayoutError(f"unshard got {len(shards)} shards for a layout over {self.world} ranks")
+        stacked = torch.cat(list(shards), dim=dim)
+        perm = self.permutation(stacked.shape[dim]).to(stacked.device)
+        return stacked.index_select(dim, torch.argsort(perm))
+
+
 @dataclass(frozen=True)
-class SeqLayout:
+class SeqLayout(_PositionLayout):
     """How a sequence of S tokens is split over ``world`` ranks.
 
     Args:
@@ -110,10 +137,6 @@ class SeqLayout:
         blocks = torch.arange(rank, seq_len // g, p)
         return (blocks[:, None] * g + torch.arange(g)[None, :]).reshape(-1)
 
-    def permutation(self, seq_len: int) -> torch.Tensor:
-        """All ranks' positions concatenated in rank order: ``x[:, perm]`` is the sharded order."""
-        return torch.cat([self.local_positions(seq_len, r) for r in range(self.world)])
-
     def segments(self, seq_len: int) -> list[tuple[int, int]]:
         """Local index ranges used as attention blocks (runs of consecutive global positions).
 
@@ -125,18 +148,51 @@ class SeqLayout:
             return [(0, n // 2), (n // 2, n)]
         return [(0, n)]
 
-    def shard(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
-        """This rank's part of a global tensor ``x`` (sequence along ``dim``)."""
-        seq_len = x.shape[dim]
-        return x.index_select(dim, self.local_positions(seq_len, rank).to(x.device))
 
-    def unshard(self, shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
-        """Reassemble the global tensor from every rank's shard (rank order)."""
-        if len(shards) != self.world:
-            raise LayoutError(f"unshard got {len(shards)} shards for a layout over {self.world} ranks")
-        stacked = torch.cat(list(shards), dim=dim)
-        perm = self.permutation(stacked.shape[dim]).to(stacked.device)
-        return stacked.index_select(dim, torch.argsort(perm))
+@dataclass(frozen=True)
+class UspLayout(_PositionLayout):
+    """The input layout of USP: the ring layout over R ranks, then each ring shard split into U pieces.
+
+    SP rank ``sp = ring_rank · U + ulysses_rank`` (the mesh's mapping) holds piece ``ulysses_rank``
+    of ring shard ``ring_rank``. The Ulysses all-to-all gathers the U pieces back in order, so after
+    it every rank holds its full ring shard (for H/U heads) in ``ring`` layout. The data side shards
+    once, with this layout.
+    """
+
+    ring: SeqLayout
+    ulysses: int
+
+    def __post_init__(self) -> None:
+        if self.ulysses < 1:
+            raise LayoutError(f"ulysses degree {self.ulysses} must be >= 1")
+
+    @property
+    def world(self) -> int:  # type: ignore[override]
+        return self.ring.world * self.ulysses
+
+    @property
+    def multiple(self) -> int:
+        return math.lcm(self.ring.multiple, self.ring.world * self.ulysses)
+
+    def check_length(self, seq_len: int) -> None:
+        mult = self.multiple
+        if seq_len < 1 or seq_len % mult != 0:
+            padded = max(mult, -(-seq_len // mult) * mult)
+            raise LayoutError(
+                f"sequence length {seq_len} cannot be split by layout='{self.ring.kind}' over {self.ring.world} "
+                f"ring ranks x ulysses degree {self.ulysses}: it must be a multiple of {mult}; pad it to {padded} "
+                "(ds_seqpar.data pads for you) or change the layout"
+            )
+
+    def local_positions(self, seq_len: int, rank: int) -> torch.Tensor:
+        self.check_length(seq_len)
+        if not 0 <= rank < self.world:
+            raise LayoutError(
+                f"rank={rank} is outside the layout's {self.world} ranks; valid: 0..{self.world - 1}"
+            )
+        ring_rank, ulysses_rank = divmod(rank, self.ulysses)
+        shard = self.ring.local_positions(seq_len, ring_rank)
+        return shard.chunk(self.ulysses)[ulysses_rank]
 
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int], seq_len: int) -> torch.Tensor:

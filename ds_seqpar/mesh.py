@@ -153,13 +153,20 @@ class SeqParMesh:
 
     Build it after ``torch.distributed`` is initialised, with :meth:`build` or :meth:`from_config`.
     Every rank of the world must build the same mesh (group creation is collective).
+
+    ``config`` is the resolved ``sequence_parallel`` section the attention entry point follows
+    (``build`` fills in defaults: USP, zigzag, p2p ring with overlap, kernel auto). ``resources``
+    holds per-mesh reusable communication objects (ring schedules and their receive buffers).
     """
 
     plan: MeshPlan
     coords: MeshCoords
     process_groups: dict[str, Any]
     members: dict[str, list[int]]
+    config: SequenceParallelConfig | None = None
     comm_stats: CommStats = field(default_factory=CommStats)
+    # per-mesh reusable communication objects (e.g. ring schedules with their receive buffers)
+    resources: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -189,7 +196,12 @@ class SeqParMesh:
                 if rank in ranks:
                     process_groups[kind] = group
                     members[kind] = ranks
-        return cls(plan, plan.coords(rank), process_groups, members)
+        config = SequenceParallelConfig(
+            size=sp_size,
+            ulysses_degree=ulysses_size,
+            ring={"inner_size": None if plan.ring_inner_size == plan.ring_size else plan.ring_inner_size},
+        )
+        return cls(plan, plan.coords(rank), process_groups, members, config)
 
     @classmethod
     def from_config(cls, config: SequenceParallelConfig, model_config: Any = None) -> SeqParMesh:
@@ -198,7 +210,9 @@ class SeqParMesh:
         resolved = config.validate(model_config, world)
         if not resolved.enabled:
             return cls.build(1, 1, None)
-        return cls.build(resolved.size, resolved.resolved_ulysses_degree, resolved.ring.inner_size)
+        mesh = cls.build(resolved.size, resolved.resolved_ulysses_degree, resolved.ring.inner_size)
+        mesh.config = resolved
+        return mesh
 
     # sizes ---------------------------------------------------------------------------------
     @property

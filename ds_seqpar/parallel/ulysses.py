@@ -1,0 +1,42 @@
+"""Ulysses head parallelism: scatter heads / gather sequence before attention, the inverse after.
+
+Legend: U = Ulysses degree, n = tokens per SP rank, H / H_kv = query / key-value heads,
+h_u / k_u = query / K/V heads of Ulysses rank u after the exchange (``HeadPlan``).
+
+    q [B, n, H, D], k/v [B, n, H_kv, D]
+      --seq_to_head (all-to-all over the Ulysses group)-->  q [B, U·n, h_u, D], k/v [B, U·n, k_u, D]
+      --any attention over the U·n tokens (the ring engine, or a single device when R = 1)-->
+      out [B, U·n, h_u, D] --head_to_seq--> out [B, n, H, D]
+
+Communication per rank and layer (even split, no replication, fwd; bwd the same):
+``(U-1)/U · B·n·D·(2H + 2H_kv)`` elements (q, k, v in, out back). When U > H_kv each K/V head is
+replicated to the U/H_kv ranks that need it before the exchange (``HeadPlan``), and its gradient
+is summed back by autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds_seqpar.comm.all_to_all import HeadPlan, head_to_seq, seq_to_head
+from ds_seqpar.mesh import SeqParMesh
+
+
+def scatter_heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: HeadPlan, mesh: SeqParMesh
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[B, n, H|H_kv, D]`` -> ``[B, U·n, h_u|k_u, D]`` for q, k, v (differentiable)."""
+    group, me, stats = mesh.group("ulysses"), mesh.coords.ulysses_rank, mesh.comm_stats
+    if heads.kv_index is not None:
+        index = torch.tensor(heads.kv_index, device=k.device)
+        k, v = k.index_select(2, index), v.index_select(2, index)
+    return (
+        seq_to_head(q, heads.q_counts, group, me, stats),
+        seq_to_head(k, heads.kv_counts, group, me, stats),
+        seq_to_head(v, heads.kv_counts, group, me, stats),
+    )
+
+
+def gather_heads(out: torch.Tensor, heads: HeadPlan, mesh: SeqParMesh) -> torch.Tensor:
+    """``[B, U·n, h_u, D]`` -> ``[B, n, H, D]`` (differentiable)."""
+    return head_to_seq(out, heads.q_counts, mesh.group("ulysses"), mesh.coords.ulysses_rank, mesh.comm_stats)

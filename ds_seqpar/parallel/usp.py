@@ -1,0 +1,154 @@
+"""USP (Ulysses x Ring) and the public attention entry point ``ds_seqpar.attention``.
+
+Legend: P = SP degree = U · R, n = S / P tokens per rank, B, H, H_kv, D as usual.
+
+    q [B, n, H, D] (this rank's tokens in ``UspLayout`` order: ring layout, then Ulysses split)
+      -> Ulysses all-to-all (U ranks)            q [B, S/R, h_u, D]
+      -> ring engine over the R ring ranks        (schedule x layout x kernel from the config)
+      -> inverse all-to-all                       out [B, n, H, D]
+
+``attention: "ulysses"`` is the case R = 1 and ``attention: "ring"`` the case U = 1 of the same
+code. Communication per rank and layer (fwd, ALGORITHMS.md §8, tested exactly):
+Ulysses ``(U-1)/U · B·n·D·(2H + 2H_kv)`` + ring ``2(R-1) · B·(S/R)·(H_kv/U)·D`` elements.
+Every check runs before the first collective.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds_seqpar.comm.all_to_all import HeadPlan
+from ds_seqpar.layout import SeqLayout, UspLayout
+from ds_seqpar.mesh import SeqParMesh
+from ds_seqpar.ops.attention import resolve_kernel
+from ds_seqpar.ops.masks import MaskSpec
+from ds_seqpar.parallel.ring import RingPlan, WorkCounter, build_schedule, ring_attention
+from ds_seqpar.parallel.ulysses import gather_heads, scatter_heads
+
+
+def input_layout(mesh: SeqParMesh) -> UspLayout:
+    """The layout the data side must shard with for this mesh and config (ring layout, then Ulysses split)."""
+    cfg = mesh.config
+    kind = "zigzag" if cfg is None else cfg.ring.layout
+    granularity = 1 if cfg is None else cfg.ring.granularity
+    return UspLayout(SeqLayout(kind, mesh.ring_size, granularity), mesh.ulysses_size)
+
+
+def _schedule(mesh: SeqParMesh):
+    """The mesh's ring schedule, built once and reused (it owns the double-buffered receive buffers)."""
+    cfg = mesh.config
+    kind = "p2p" if cfg is None else cfg.ring.schedule
+    overlap = True if cfg is None else cfg.ring.overlap
+    key = f"ring_schedule:{kind}:{overlap}"
+    if key not in mesh.resources:
+        mesh.resources[key] = build_schedule(mesh, kind, overlap)
+    return mesh.resources[key]
+
+
+def _check(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mesh: SeqParMesh,
+    layout: UspLayout,
+    positions: torch.Tensor | None,
+    doc_ids: torch.Tensor | None,
+) -> int:
+    """Validate everything before any collective; return the global length S."""
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(
+            f"ds_seqpar.attention takes q [B, n, H, D] and k, v [B, n, H_kv, D]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(
+            f"k {tuple(k.shape)} must match q {tuple(q.shape)} in batch, local length and head dim"
+        )
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k, v must share dtype and device; got {q.dtype}/{q.device}, {k.dtype}/{k.device}, "
+            f"{v.dtype}/{v.device}"
+        )
+    h, h_kv = q.shape[2], k.shape[2]
+    if h % h_kv != 0:
+        raise ValueError(f"query heads H={h} must be a multiple of key/value heads H_kv={h_kv}")
+    if mesh.ulysses_size > h:
+        raise ValueError(
+            f"sequence_parallel.ulysses_degree={mesh.ulysses_size} exceeds the {h} query heads of this layer; "
+            f"valid: a ulysses_degree <= {h} (move the rest of the SP degree to the ring)"
+        )
+    seq_len = q.shape[1] * layout.world
+    layout.check_length(seq_len)
+    if positions is not None:
+        expected = layout.local_positions(seq_len, mesh.coords.sp_rank).to(positions.device)
+        got = positions if positions.dim() == 1 else positions[0]
+        if got.shape != expected.shape or not torch.equal(got.long(), expected):
+            raise ValueError(
+                f"positions of this rank's tokens do not match the '{layout.ring.kind}' layout over "
+                f"{layout.world} SP ranks (expected {expected[:4].tolist()}..., got {got[:4].tolist()}...); "
+                "shard the batch with ds_seqpar's layout (ds_seqpar.parallel.usp.input_layout(mesh)) and pass "
+                "global token positions, not per-document ones (those go in doc_ids)"
+            )
+    if doc_ids is not None and doc_ids.shape[-1] != seq_len:
+        raise ValueError(
+            f"doc_ids has {doc_ids.shape[-1]} tokens but the sequence has S = {q.shape[1]} x {layout.world} = "
+            f"{seq_len}; pass document ids of the whole sequence in global order ([S] or [B, S])"
+        )
+    return seq_len
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mesh: SeqParMesh,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    window: int | None = None,
+    positions: torch.Tensor | None = None,
+    doc_ids: torch.Tensor | None = None,
+    work: WorkCounter | None = None,
+) -> torch.Tensor:
+    """Exact attention over the whole sequence that the SP group shares; the configured algorithm.
+
+    Args:
+        q: ``[B, n, H, D]``; k, v: ``[B, n, H_kv, D]``: this rank's n tokens, sharded with
+            ``input_layout(mesh)`` (RoPE already applied with GLOBAL positions).
+        mesh: the ``SeqParMesh``; its ``config`` picks the algorithm (usp | ulysses | ring), ring
+            layout, schedule, overlap and kernel.
+        causal: causal mask in global positions (False = encoder attention).
+        softmax_scale: default ``D ** -0.5``.
+        window: sliding window in positions (a query sees the last ``window`` positions), or None.
+        positions: optional global positions of this rank's tokens ``[n]`` / ``[B, n]``; checked
+            against the layout (catches data sharded another way).
+        doc_ids: document id per token of the whole sequence in global order, ``[S]`` or ``[B, S]``
+            (packed batches; negative = padding), or None.
+        work: optional counter of the attention work this rank computes.
+
+    Returns:
+        ``out [B, n, H, D]`` in q.dtype; differentiable in q, k, v.
+    """
+    cfg = mesh.config
+    algorithm = "usp" if cfg is None else cfg.attention
+    if algorithm == "ulysses" and mesh.ring_size != 1:
+        raise ValueError(
+            f"sequence_parallel.attention='ulysses' needs ring degree 1 but the mesh has R={mesh.ring_size}; "
+            "valid: attention='usp' or ulysses_degree=size"
+        )
+    if algorithm == "ring" and mesh.ulysses_size != 1:
+        raise ValueError(
+            f"sequence_parallel.attention='ring' needs ulysses_degree=1 but the mesh has U={mesh.ulysses_size}; "
+            "valid: attention='usp' or ulysses_degree=1"
+        )
+    layout = input_layout(mesh)
+    _check(q, k, v, mesh, layout, positions, doc_ids)
+    kernel = "auto" if cfg is None else cfg.kernel
+    resolve_kernel(kernel, q.device, q.dtype)  # an unavailable kernel fails here, not mid-collective
+    plan = RingPlan(
+        _schedule(mesh), layout.ring, MaskSpec(causal=causal, window=window), doc_ids, kernel, work
+    )
+    heads = HeadPlan.build(q.shape[2], k.shape[2], mesh.ulysses_size)
+    q2, k2, v2 = scatter_heads(q, k, v, heads, mesh)
+    out, _ = ring_attention(q2, k2, v2, plan, softmax_scale)
+    return gather_heads(out, heads, mesh)

@@ -1,0 +1,223 @@
+"""USP (Ulysses x Ring) through ``ds_seqpar.attention`` on gloo ranks vs the dense reference."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ds_seqpar
+from ds_seqpar import SeqParMesh, SequenceParallelConfig
+from ds_seqpar.comm.all_to_all import HeadPlan, split_heads
+from ds_seqpar.layout import doc_ids_from_cu_seqlens
+from ds_seqpar.ops.masks import MaskSpec, token_mask
+from ds_seqpar.ops.reference import dense_attention_reference
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+B, D = 2, 8
+
+
+def _mesh(
+    cache: dict, size: int, u: int, inner: int | None, layout: str, schedule: str = "p2p"
+) -> SeqParMesh:
+    key = (u, inner)
+    if key not in cache:
+        cache[key] = SeqParMesh.build(size, u, inner)
+    mesh = cache[key]
+    mesh.config = SequenceParallelConfig(
+        size=size, ulysses_degree=u, ring={"layout": layout, "inner_size": inner, "schedule": schedule}
+    )
+    return mesh
+
+
+def run_usp_cases(cases: list[dict]) -> list[dict]:
+    """Each case: shard with the mesh's input layout, run ds_seqpar.attention, compare with the reference."""
+    meshes: dict = {}
+    world = dist.get_world_size()
+    results = []
+    for case in cases:
+        mesh = _mesh(meshes, world, case["u"], case.get("inner"), case["layout"], case.get("schedule", "p2p"))
+        layout = ds_seqpar.input_layout(mesh)
+        seq_len, h, h_kv, dtype = case["seq_len"], case["h"], case["h_kv"], case["dtype"]
+        g = torch.Generator().manual_seed(case.get("seed", 0))
+        q, k, v, dout = (
+            torch.randn(B, seq_len, heads, D, generator=g, dtype=torch.float64).to(dtype)
+            for heads in (h, h_kv, h_kv, h)
+        )
+        spec = MaskSpec(causal=case["causal"], window=case.get("window"))
+        docs = doc_ids_from_cu_seqlens(case["cu_seqlens"], seq_len) if case.get("cu_seqlens") else None
+        pos = torch.arange(seq_len)
+        mask = token_mask(pos, pos, spec) if docs is None else token_mask(pos, pos, spec, docs, docs)
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref_out, _ = dense_attention_reference(q64, k64, v64, mask)
+        ref_out.backward(dout.double())
+        me = mesh.coords.sp_rank
+        ql, kl, vl = (layout.shard(t.detach(), me).clone().requires_grad_() for t in (q, k, v))
+        with mesh.comm_stats.measure() as fwd:
+            out = ds_seqpar.attention(
+                ql,
+                kl,
+                vl,
+                mesh=mesh,
+                causal=case["causal"],
+                window=case.get("window"),
+                positions=layout.local_positions(seq_len, me),
+                doc_ids=docs,
+            )
+        out.backward(layout.shard(dout, me))
+        errors = {
+            name: (got.double() - layout.shard(ref, me)).abs().max().item()
+            for name, got, ref in (
+                ("out", out, ref_out.detach()),
+                ("dq", ql.grad, q64.grad),
+                ("dk", kl.grad, k64.grad),
+                ("dv", vl.grad, v64.grad),
+            )
+        }
+        results.append({"errors": errors, "fwd": fwd.as_dict()})
+    return results
+
+
+def _check(cases: list[dict], results: list[list[dict]]) -> None:
+    for i, case in enumerate(cases):
+        for rank, per_rank in enumerate(results):
+            errors = per_rank[i]["errors"]
+            assert all(e <= TOL[case["dtype"]] for e in errors.values()), f"{case} rank {rank}: {errors}"
+
+
+def _factorisations(p: int) -> list[int]:
+    return [u for u in range(1, p + 1) if p % u == 0]
+
+
+def _sweep(p: int) -> list[dict]:
+    cases = []
+    for u, layout, causal, dtype in itertools.product(
+        _factorisations(p), ("contiguous", "zigzag", "stripe"), (True, False), (torch.float64, torch.float32)
+    ):
+        cases.append(
+            dict(u=u, layout=layout, causal=causal, dtype=dtype, seq_len=8 * p, h=8, h_kv=8, seed=len(cases))
+        )
+    return cases
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_every_factorisation_and_layout_matches_reference(dist_pool, p):
+    cases = _sweep(p)
+    _check(cases, dist_pool(p).run(run_usp_cases, cases))
+
+
+SPECIAL = [
+    # double ring under Ulysses: P=8 = U 2 x (R_out 2 x R_in 2)
+    dict(u=2, inner=2, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=8, h_kv=8),
+    dict(u=2, inner=2, layout="stripe", causal=False, dtype=torch.float32, seq_len=64, h=8, h_kv=4),
+    # GQA H=8 / H_kv=2 with U=4: K/V heads replicated to two ranks each
+    dict(u=4, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=8, h_kv=2),
+    dict(u=8, layout="zigzag", causal=True, dtype=torch.float32, seq_len=64, h=8, h_kv=2),
+    # uneven heads: H=6 with U=4 (split 2,2,1,1), MHA and GQA
+    dict(u=4, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=6, h_kv=6),
+    dict(u=4, layout="contiguous", causal=False, dtype=torch.float64, seq_len=64, h=6, h_kv=2),
+    dict(u=8, layout="contiguous", causal=True, dtype=torch.float64, seq_len=64, h=12, h_kv=4),
+    # packed documents with odd lengths, plus a sliding window
+    dict(
+        u=2,
+        layout="zigzag",
+        causal=True,
+        dtype=torch.float64,
+        seq_len=64,
+        h=4,
+        h_kv=2,
+        cu_seqlens=[0, 7, 30, 59],
+    ),
+    dict(
+        u=4,
+        layout="stripe",
+        causal=True,
+        dtype=torch.float64,
+        seq_len=64,
+        h=4,
+        h_kv=4,
+        cu_seqlens=[0, 13, 64],
+    ),
+    dict(u=2, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=4, h_kv=2, window=9),
+    dict(
+        u=2,
+        layout="contiguous",
+        causal=True,
+        dtype=torch.float64,
+        seq_len=64,
+        h=4,
+        h_kv=2,
+        schedule="all_gather",
+    ),
+]
+
+
+def test_double_ring_gqa_replication_uneven_heads_and_documents(dist_pool):
+    _check(SPECIAL, dist_pool(8).run(run_usp_cases, SPECIAL))
+
+
+def test_bytes_per_rank_equal_usp_formula(dist_pool):
+    """ALGORITHMS.md §8 (fwd): Ulysses (U-1)/U·B·n·D·(2H+2H_kv)·b + ring 2(R-1)·B·(S/R)·(H_kv/U)·D·b."""
+    p, s, h, h_kv, b = 8, 64, 8, 4, 8
+    cases = [
+        dict(u=u, layout="zigzag", causal=True, dtype=torch.float64, seq_len=s, h=h, h_kv=h_kv)
+        for u in (1, 2, 4, 8)
+        if h_kv % u == 0 or u == 8
+    ]
+    results = dist_pool(p).run(run_usp_cases, cases)
+    n = s // p
+    for i, case in enumerate(cases):
+        u = case["u"]
+        r = p // u
+        kv_heads = max(h_kv, u)  # U=8 > H_kv=4 replicates each K/V head to 2 ranks
+        ulysses = (u - 1) * B * n * D * (2 * h + 2 * kv_heads) * b // u
+        ring = 2 * (r - 1) * B * (s // r) * (kv_heads // u) * D * b
+        for per_rank in results:
+            fwd = per_rank[i]["fwd"]
+            assert fwd.get("all_to_all", {"bytes": 0})["bytes"] == ulysses, (case, fwd)
+            assert fwd.get("p2p", {"bytes": 0})["bytes"] == ring, (case, fwd)
+
+
+def test_head_plans():
+    assert split_heads(6, 4) == [2, 2, 1, 1]
+    even = HeadPlan.build(8, 4, 2)
+    assert (even.q_counts, even.kv_index, even.kv_counts) == ((4, 4), None, (2, 2))
+    replicated = HeadPlan.build(8, 2, 4)  # each K/V head goes to two ranks
+    assert (replicated.kv_index, replicated.kv_counts) == ((0, 0, 1, 1), (1, 1, 1, 1))
+    uneven = HeadPlan.build(6, 2, 4)  # q heads 0-1 | 2-3 | 4 | 5 ; groups of 3
+    assert uneven.q_counts == (2, 2, 1, 1)
+    assert (uneven.kv_index, uneven.kv_counts) == ((0, 0, 1, 1, 1), (1, 2, 1, 1))
+    with pytest.raises(
+        ValueError, match=r"ulysses degree U=8 exceeds the number of heads H=4; valid: U <= 4"
+    ):
+        HeadPlan.build(4, 4, 8)
+
+
+def ulysses_too_large() -> str:
+    mesh = SeqParMesh.build(2, 2)
+    x = torch.zeros(1, 4, 1, 8)
+    try:
+        ds_seqpar.attention(x, x, x, mesh=mesh)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def wrong_positions() -> str:
+    mesh = SeqParMesh.build(2, 1)
+    x = torch.zeros(1, 4, 2, 8)
+    try:
+        ds_seqpar.attention(x, x, x, mesh=mesh, positions=torch.arange(4))  # per-rank 0..3 on both ranks
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_errors_raise_on_every_rank_before_any_collective(dist_pool):
+    pool = dist_pool(2)
+    for message in pool.run(ulysses_too_large):
+        assert "sequence_parallel.ulysses_degree=2 exceeds the 1 query heads" in message
+    for message in pool.run(wrong_positions):
+        assert "do not match the 'zigzag' layout over 2 SP ranks" in message
