@@ -1,0 +1,504 @@
+"""Exact block attention with log-sum-exp: the single-device kernel under every ring / Ulysses schedule.
+
+Legend:
+    B, Sq, Sk  batch, query tokens, key tokens of this block
+    H, H_kv    query heads, key/value heads; g = H // H_kv (GQA: query head h uses kv head h // g)
+    D          head dim
+    acc dtype  float64 for float64 inputs, else float32: outputs, lse and gradients use it so that
+               ring merges and gradient sums stay exact; cast ``out`` to the model dtype at the end
+
+Contract (ALGORITHMS.md §0.1, §0.3):
+    forward   (q, k, v, mask) -> out [B, Sq, H, D] (acc), lse [B, H, Sq] (acc);
+              a row that sees no key gets out 0, lse -inf
+    backward  (dout, q, k, v, out, lse, mask) -> dq [B, Sq, H, D], dk, dv [B, Sk, H_kv, D] (acc),
+              where out / lse are the FINAL (merged over all key blocks) results of these rows,
+              so blocks contribute independently; rows with lse = -inf contribute nothing
+    mask      None (all visible), ``causal=True`` (top-left: key j visible iff j <= i, as for
+              :attr:`BlockKind.CAUSAL`), or bool [Sq, Sk] / [B, Sq, Sk], True = visible
+
+Kernels (one registry, chosen by name or ``"auto"``):
+    torch       pure PyTorch, chunked over query and key blocks (memory O(chunk²)); the reference
+    sdpa        PyTorch's CPU flash op (``_scaled_dot_product_flash_attention_for_cpu`` + backward);
+                bf16/fp16 run in fp32 (faster on CPU and exact for merging)
+    flash_attn  flash-attn on CUDA for fp16/bf16: FULL and square causal blocks via the public
+                ``flash_attn_func``; explicit masks, rectangular causal and the backward (no public
+                entry point takes an external out/lse) run on the torch kernel
+    auto        the first available of flash_attn, sdpa, torch
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "KERNELS",
+    "AttentionKernel",
+    "available_kernels",
+    "block_attn_backward",
+    "block_attn_forward",
+    "resolve_kernel",
+    "torch_chunked_kernel",
+]
+
+NEG_INF = float("-inf")
+DEFAULT_CHUNK = 512
+
+# forward(q, k, v, scale, mask, causal) -> (out, lse); mask is None or bool [B|1, Sq, Sk]
+ForwardFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor | None, bool],
+    tuple[torch.Tensor, torch.Tensor],
+]
+# backward(dout, q, k, v, out, lse, scale, mask, causal) -> (dq, dk, dv); lse finite here
+BackwardFn = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        float,
+        torch.Tensor | None,
+        bool,
+    ],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+]
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    """One exact block-attention backend.
+
+    ``forward`` / ``backward`` receive validated inputs (Sq, Sk >= 1; mask bool ``[B|1, Sq, Sk]``;
+    backward gets lse with -inf rows replaced by 0 and their dout zeroed). ``unavailable`` returns
+    why the kernel cannot run for ``(device, dtype)``, or None when it can.
+    """
+
+    name: str
+    forward: ForwardFn
+    backward: BackwardFn
+    unavailable: Callable[[torch.device, torch.dtype], str | None]
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# torch: chunked reference
+
+
+def _mask_chunk(
+    mask: torch.Tensor | None, causal: bool, qs: int, qe: int, ks: int, ke: int, device: torch.device
+) -> torch.Tensor | None:
+    """Visibility of query rows [qs, qe) x keys [ks, ke) as bool [B|1, 1, cq, ck]; None = all visible."""
+    if mask is not None:
+        return mask[:, qs:qe, ks:ke].unsqueeze(1)
+    if causal and ke - 1 > qs:
+        rows = torch.arange(qs, qe, device=device).unsqueeze(-1)
+        return (rows >= torch.arange(ks, ke, device=device)).view(1, 1, qe - qs, ke - ks)
+    return None
+
+
+def _key_chunks(
+    mask: torch.Tensor | None, causal: bool, qs: int, qe: int, sk: int, chunk: int, device: torch.device
+) -> Iterator[tuple[int, int, torch.Tensor | None]]:
+    """Yield ``(ks, ke, visible)`` for key chunks with at least one visible pair."""
+    for ks in range(0, sk, chunk):
+        if causal and ks > qe - 1:
+            return
+        ke = min(ks + chunk, sk)
+        visible = _mask_chunk(mask, causal, qs, qe, ks, ke, device)
+        if visible is None or bool(visible.any()):
+            yield ks, ke, visible
+
+
+def _masked_scores(
+    q_c: torch.Tensor, k_c: torch.Tensor, scale: float, visible: torch.Tensor | None, g: int
+) -> torch.Tensor:
+    """Scores ``[B, H_kv, g*cq, ck]`` for grouped queries ``[B, H_kv, g*cq, D]`` and keys ``[B, H_kv, ck, D]``."""
+    s = (q_c @ k_c.transpose(-1, -2)).mul_(scale)
+    if visible is not None:
+        b, hkv, _, ck = s.shape
+        s.view(b, hkv, g, -1, ck).masked_fill_(~visible.unsqueeze(1), NEG_INF)
+    return s
+
+
+def _grouped(x: torch.Tensor, hkv: int, qs: int, qe: int, acc: torch.dtype) -> torch.Tensor:
+    """Rows [qs, qe) of ``[B, S, H, D]`` as ``[B, H_kv, g*cq, D]`` (head h = kv_head * g + j)."""
+    b, _, h, d = x.shape
+    chunk = x[:, qs:qe].to(acc).reshape(b, qe - qs, hkv, h // hkv, d)
+    return chunk.permute(0, 2, 3, 1, 4).reshape(b, hkv, -1, d)
+
+
+def _ungroup(x: torch.Tensor, g: int) -> torch.Tensor:
+    """Inverse of :func:`_grouped` for one chunk: ``[B, H_kv, g*cq, D]`` -> ``[B, cq, H, D]``."""
+    b, hkv, _, d = x.shape
+    return x.view(b, hkv, g, -1, d).permute(0, 3, 1, 2, 4).reshape(b, -1, hkv * g, d)
+
+
+def _torch_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+    causal: bool,
+    *,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    g = h // hkv
+    acc = _acc_dtype(q.dtype)
+    k_h = k.transpose(1, 2)  # [B, H_kv, Sk, D]
+    v_h = v.transpose(1, 2)
+    out = torch.empty(b, sq, h, d, dtype=acc, device=q.device)
+    lse = torch.empty(b, h, sq, dtype=acc, device=q.device)
+    for qs in range(0, sq, chunk):
+        qe = min(qs + chunk, sq)
+        q_c = _grouped(q, hkv, qs, qe, acc)
+        row_max = torch.full(q_c.shape[:-1], NEG_INF, dtype=acc, device=q.device)  # [B, H_kv, g*cq]
+        row_sum = torch.zeros_like(row_max)
+        o_c = torch.zeros_like(q_c)
+        for ks, ke, visible in _key_chunks(mask, causal, qs, qe, sk, chunk, q.device):
+            s = _masked_scores(q_c, k_h[:, :, ks:ke].to(acc), scale, visible, g)
+            new_max = torch.maximum(row_max, s.amax(dim=-1))
+            safe_max = new_max.masked_fill(new_max == NEG_INF, 0.0)  # row still empty: avoid -inf - -inf
+            p = torch.exp(s - safe_max.unsqueeze(-1))
+            rescale = torch.exp(row_max - safe_max)
+            row_sum = row_sum * rescale + p.sum(dim=-1)
+            o_c = o_c * rescale.unsqueeze(-1) + p @ v_h[:, :, ks:ke].to(acc)
+            row_max = new_max
+        nonempty = row_sum > 0
+        o_c = o_c / torch.where(nonempty, row_sum, 1.0).unsqueeze(-1)
+        lse_c = torch.where(nonempty, row_max + torch.log(row_sum), NEG_INF)
+        out[:, qs:qe] = _ungroup(o_c, g)
+        lse[:, :, qs:qe] = lse_c.view(b, h, qe - qs)
+    return out, lse
+
+
+def _torch_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+    causal: bool,
+    *,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    g = h // hkv
+    acc = _acc_dtype(q.dtype)
+    k_h = k.transpose(1, 2)  # [B, H_kv, Sk, D]
+    v_h = v.transpose(1, 2)
+    delta = (dout.to(acc) * out.to(acc)).sum(dim=-1, keepdim=True)  # [B, Sq, H, 1], Δ = rowsum(dO·O)
+    lse_rows = lse.to(acc).transpose(1, 2).unsqueeze(-1)  # [B, Sq, H, 1]
+    dq = torch.zeros(b, sq, h, d, dtype=acc, device=q.device)
+    dk = torch.zeros(b, hkv, sk, d, dtype=acc, device=q.device)
+    dv = torch.zeros_like(dk)
+    for qs in range(0, sq, chunk):
+        qe = min(qs + chunk, sq)
+        q_c = _grouped(q, hkv, qs, qe, acc)
+        do_c = _grouped(dout, hkv, qs, qe, acc)
+        lse_c = _grouped(lse_rows, hkv, qs, qe, acc)  # [B, H_kv, g*cq, 1]
+        delta_c = _grouped(delta, hkv, qs, qe, acc)
+        dq_c = torch.zeros_like(q_c)
+        for ks, ke, visible in _key_chunks(mask, causal, qs, qe, sk, chunk, q.device):
+            k_c = k_h[:, :, ks:ke].to(acc)
+            v_c = v_h[:, :, ks:ke].to(acc)
+            p = torch.exp(_masked_scores(q_c, k_c, scale, visible, g) - lse_c)  # [B, H_kv, g*cq, ck]
+            dv[:, :, ks:ke] += p.transpose(-1, -2) @ do_c
+            dz = p * (do_c @ v_c.transpose(-1, -2) - delta_c)
+            dq_c += dz @ k_c
+            dk[:, :, ks:ke] += dz.transpose(-1, -2) @ q_c
+        dq[:, qs:qe] = _ungroup(dq_c, g) * scale
+    return dq, (dk * scale).transpose(1, 2).contiguous(), dv.transpose(1, 2).contiguous()
+
+
+def _always_available(device: torch.device, dtype: torch.dtype) -> str | None:
+    return None
+
+
+def torch_chunked_kernel(chunk: int = DEFAULT_CHUNK) -> AttentionKernel:
+    """The pure-PyTorch kernel with ``chunk`` query rows x ``chunk`` keys per step (any device)."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk={chunk!r} is invalid: use an int >= 1 (e.g. {DEFAULT_CHUNK})")
+    return AttentionKernel(
+        name="torch",
+        forward=functools.partial(_torch_forward, chunk=chunk),
+        backward=functools.partial(_torch_backward, chunk=chunk),
+        unavailable=_always_available,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# sdpa: PyTorch's CPU flash op (q/k/v [B, H, S, D]; GQA native; causal is top-left aligned;
+# bool masks rejected, additive float masks of the query dtype accepted; an all-masked row
+# returns lse 0; Sq = 0 or Sk = 0 crashes the process, so the dispatcher never calls it then)
+
+_SDPA_OP = "_scaled_dot_product_flash_attention_for_cpu"
+
+
+def _sdpa_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    if device.type != "cpu":
+        return f"needs CPU tensors (got device {device.type!r})"
+    if not hasattr(torch.ops.aten, _SDPA_OP):
+        return f"needs torch.ops.aten.{_SDPA_OP} (PyTorch >= 2.2)"
+    return None
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool ``[B|1, Sq, Sk]`` -> additive ``[B|1, 1, Sq, Sk]`` (0 visible, -inf hidden)."""
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, NEG_INF).unsqueeze(1)
+
+
+def _sdpa_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    acc = _acc_dtype(q.dtype)
+    q_t, k_t, v_t = (x.to(acc).transpose(1, 2) for x in (q, k, v))
+    attn_mask = None if mask is None else _additive(mask, acc)
+    out, lse = getattr(torch.ops.aten, _SDPA_OP)(q_t, k_t, v_t, 0.0, causal, attn_mask=attn_mask, scale=scale)
+    out = out.transpose(1, 2)
+    if mask is not None:
+        empty = ~mask.any(dim=-1)  # [B|1, Sq]; the op reports lse 0 for these rows
+        lse = lse.masked_fill(empty.unsqueeze(1), NEG_INF)
+        out = out.masked_fill(empty[:, :, None, None], 0.0)
+    return out, lse
+
+
+def _sdpa_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    acc = _acc_dtype(q.dtype)
+    do_t, q_t, k_t, v_t, o_t = (x.to(acc).transpose(1, 2) for x in (dout, q, k, v, out))
+    attn_mask = None if mask is None else _additive(mask, acc)
+    grads = getattr(torch.ops.aten, _SDPA_OP + "_backward")(
+        do_t, q_t, k_t, v_t, o_t, lse.to(acc), 0.0, causal, attn_mask=attn_mask, scale=scale
+    )
+    dq, dk, dv = (x.transpose(1, 2) for x in grads)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# flash_attn: CUDA, fp16/bf16 (untested on CPU-only machines)
+
+
+def _flash_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
+        return "needs CUDA and the flash-attn package"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"needs float16/bfloat16 inputs (got {dtype})"
+    return None
+
+
+def _flash_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    d = q.shape[-1]
+    # flash-attn has no arbitrary mask, aligns causal bottom-right, and wants D % 8 == 0, D <= 256.
+    if mask is not None or (causal and q.shape[1] != k.shape[1]) or d % 8 or d > 256:
+        return _torch_forward(q, k, v, scale, mask, causal, chunk=DEFAULT_CHUNK)
+    from flash_attn import flash_attn_func
+
+    out, lse, _ = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True)
+    return out.float(), lse.float()
+
+
+KERNELS: dict[str, AttentionKernel] = {
+    "flash_attn": AttentionKernel(
+        name="flash_attn",
+        forward=_flash_forward,
+        backward=functools.partial(_torch_backward, chunk=DEFAULT_CHUNK),
+        unavailable=_flash_unavailable,
+    ),
+    "sdpa": AttentionKernel(
+        name="sdpa", forward=_sdpa_forward, backward=_sdpa_backward, unavailable=_sdpa_unavailable
+    ),
+    "torch": torch_chunked_kernel(),
+}
+"""Registered kernels, in ``auto`` preference order (fastest exact first)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# dispatch
+
+
+def available_kernels(device: torch.device | str, dtype: torch.dtype) -> list[str]:
+    """Kernel names that can run for ``(device, dtype)``, in ``auto`` preference order."""
+    device = torch.device(device)
+    return [name for name, kern in KERNELS.items() if kern.unavailable(device, dtype) is None]
+
+
+def _resolve(kernel: str | AttentionKernel, device: torch.device, dtype: torch.dtype) -> AttentionKernel:
+    if isinstance(kernel, AttentionKernel):
+        kern = kernel
+    elif kernel == "auto":
+        return KERNELS[available_kernels(device, dtype)[0]]
+    elif kernel in KERNELS:
+        kern = KERNELS[kernel]
+    else:
+        raise ValueError(f"unknown kernel={kernel!r}; valid names: auto, {', '.join(KERNELS)}")
+    reason = kern.unavailable(device, dtype)
+    if reason is not None:
+        valid = ", ".join(["auto", *available_kernels(device, dtype)])
+        raise ValueError(f"kernel={kern.name!r} {reason}; valid here ({device.type}, {dtype}): {valid}")
+    return kern
+
+
+def resolve_kernel(name: str, device: torch.device | str, dtype: torch.dtype) -> str:
+    """The concrete kernel ``name`` runs as (``"auto"`` -> fastest available); ValueError if it cannot run."""
+    return _resolve(name, torch.device(device), dtype).name
+
+
+def _validate(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor | None:
+    """Check shapes / dtypes; return the mask as bool ``[B|1, Sq, Sk]`` (or None)."""
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(
+            f"q must be [B, Sq, H, D] and k, v [B, Sk, H_kv, D]; got q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape [B, Sk, H_kv, D]"
+        )
+    (b, sq, h, d), (bk, sk, hkv, dk) = q.shape, k.shape
+    if b != bk:
+        raise ValueError(f"batch mismatch: q has B={b}, k/v have B={bk}")
+    if d != dk:
+        raise ValueError(f"head dim mismatch: q has D={d}, k/v have D={dk}; project them to one head dim")
+    if hkv == 0 or h % hkv:
+        raise ValueError(
+            f"H={h} query heads is not a multiple of H_kv={hkv} kv heads; GQA needs H % H_kv == 0"
+        )
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        raise ValueError(
+            f"q, k, v need one floating dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}: cast them to one"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if mask is None:
+        return None
+    if causal:
+        raise ValueError(
+            "pass causal=True or an explicit mask, not both; fold causality into the mask (token_mask)"
+        )
+    if mask.dtype != torch.bool:
+        raise ValueError(
+            f"mask must be bool (True = visible), got dtype {mask.dtype}; for an additive float mask pass `mask == 0`"
+        )
+    if mask.shape not in ((sq, sk), (b, sq, sk)):
+        raise ValueError(
+            f"mask shape {tuple(mask.shape)} does not fit Sq={sq}, Sk={sk}, B={b}: use [{sq}, {sk}] or [{b}, {sq}, {sk}]"
+        )
+    if mask.device != q.device:
+        raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
+    return mask if mask.dim() == 3 else mask.unsqueeze(0)
+
+
+def block_attn_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    kernel: str | AttentionKernel = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one query block over one key/value block, with its log-sum-exp.
+
+    Args:
+        q: ``[B, Sq, H, D]``; k, v: ``[B, Sk, H_kv, D]`` (same dtype and device, H % H_kv == 0).
+        scale: softmax scale, default ``D ** -0.5``.
+        mask: None or bool ``[Sq, Sk]`` / ``[B, Sq, Sk]`` (True = visible), shared by all heads.
+        causal: top-left causal by local index (key j visible iff j <= i); exclusive with ``mask``.
+        kernel: ``"auto"``, a name in :data:`KERNELS`, or an :class:`AttentionKernel`.
+
+    Returns:
+        ``(out [B, Sq, H, D], lse [B, H, Sq])`` in the acc dtype (fp64 for fp64 inputs, else fp32);
+        rows that see no key have out 0 and lse -inf.
+    """
+    mask = _validate(q, k, v, mask, causal)
+    kern = _resolve(kernel, q.device, q.dtype)
+    (b, sq, h, d), sk = q.shape, k.shape[1]
+    acc = _acc_dtype(q.dtype)
+    if sq == 0 or sk == 0:
+        return q.new_zeros(b, sq, h, d, dtype=acc), q.new_full((b, h, sq), NEG_INF, dtype=acc)
+    return kern.forward(q, k, v, d**-0.5 if scale is None else scale, mask, causal)
+
+
+def block_attn_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    kernel: str | AttentionKernel = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one (query block, key block) pair given the FINAL out / lse of the query rows.
+
+    Args:
+        dout, out: ``[B, Sq, H, D]`` (any float dtype); lse: ``[B, H, Sq]``; q, k, v, scale, mask,
+            causal, kernel: as in :func:`block_attn_forward`.
+
+    Returns:
+        ``dq [B, Sq, H, D]``, ``dk, dv [B, Sk, H_kv, D]`` (summed over each GQA group) in the acc
+        dtype. Summing them over all key blocks (dq) / query blocks (dk, dv) gives the full gradient.
+    """
+    mask = _validate(q, k, v, mask, causal)
+    kern = _resolve(kernel, q.device, q.dtype)
+    (b, sq, h, d), (_, sk, hkv, _) = q.shape, k.shape
+    if dout.shape != q.shape or out.shape != q.shape or lse.shape != (b, h, sq):
+        raise ValueError(
+            f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must be {tuple(q.shape)} and lse "
+            f"{tuple(lse.shape)} must be {(b, h, sq)} ([B, H, Sq])"
+        )
+    acc = _acc_dtype(q.dtype)
+    if sq == 0 or sk == 0:
+        return (
+            q.new_zeros(b, sq, h, d, dtype=acc),
+            k.new_zeros(b, sk, hkv, d, dtype=acc),
+            k.new_zeros(b, sk, hkv, d, dtype=acc),
+        )
+    empty = lse == NEG_INF  # rows that saw no key anywhere: make them inert instead of NaN
+    if bool(empty.any()):
+        lse = lse.masked_fill(empty, 0.0)
+        dout = dout.masked_fill(empty.transpose(1, 2).unsqueeze(-1), 0.0)
+    return kern.backward(dout, q, k, v, out, lse, d**-0.5 if scale is None else scale, mask, causal)

@@ -1,0 +1,77 @@
+"""Merging partial attention results of the same query rows (online softmax, ALGORITHMS.md §0.2).
+
+Legend:
+    B, S, H, D  batch, query rows, query heads, head dim
+    out         [B, S, H, D] normalised partial output of some key blocks
+    lse         [B, H, S] log-sum-exp of the scores behind ``out``; -inf for a row that saw no key
+
+Stable log-sigmoid form (no overflow, exact for any order; the merge is commutative and
+associative up to rounding):
+    out' = out_acc - sigmoid(lse_blk - lse_acc) * (out_acc - out_blk)
+    lse' = lse_acc - logsigmoid(lse_acc - lse_blk)
+Empty rows are guarded explicitly: lse_acc = -inf takes the block, lse_blk = -inf keeps the
+accumulator, both -inf stays (0, -inf) - never NaN. Keep out/lse in fp32 (fp64) across a ring
+and cast ``out`` to the model dtype once at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["merge_attn", "merge_attn_"]
+
+RowIndex = slice | torch.Tensor
+
+
+def merge_attn(
+    out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge a block result into an accumulator; returns new ``(out [B, S, H, D], lse [B, H, S])``.
+
+    Inputs are not modified. ``out_blk``/``lse_blk`` are promoted to the accumulator dtypes.
+    """
+    if out_acc.shape != out_blk.shape or lse_acc.shape != lse_blk.shape:
+        raise ValueError(
+            f"merge_attn shapes differ: out {tuple(out_acc.shape)} vs {tuple(out_blk.shape)}, "
+            f"lse {tuple(lse_acc.shape)} vs {tuple(lse_blk.shape)}; merge results for the same rows"
+        )
+    out_blk = out_blk.to(out_acc.dtype)
+    lse_blk = lse_blk.to(lse_acc.dtype)
+    acc_empty = lse_acc == float("-inf")
+    blk_empty = lse_blk == float("-inf")
+    # Finite stand-ins keep the formula NaN-free; torch.where then picks the guarded answer.
+    acc_safe = torch.where(acc_empty, torch.zeros_like(lse_acc), lse_acc)
+    blk_safe = torch.where(blk_empty, torch.zeros_like(lse_blk), lse_blk)
+    lse_new = acc_safe - torch.nn.functional.logsigmoid(acc_safe - blk_safe)
+    weight = torch.sigmoid(blk_safe - acc_safe).to(out_acc.dtype)
+    out_new = out_acc - weight.transpose(1, 2).unsqueeze(-1) * (out_acc - out_blk)
+
+    take_blk = acc_empty & ~blk_empty  # [B, H, S]
+    keep_acc = blk_empty
+    lse_new = torch.where(take_blk, lse_blk, torch.where(keep_acc, lse_acc, lse_new))
+    take_blk_o = take_blk.transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]
+    keep_acc_o = keep_acc.transpose(1, 2).unsqueeze(-1)
+    out_new = torch.where(take_blk_o, out_blk, torch.where(keep_acc_o, out_acc, out_new))
+    return out_new, lse_new
+
+
+def merge_attn_(
+    out_acc: torch.Tensor,
+    lse_acc: torch.Tensor,
+    out_blk: torch.Tensor,
+    lse_blk: torch.Tensor,
+    rows: RowIndex | None = None,
+) -> None:
+    """In-place :func:`merge_attn` into ``out_acc``/``lse_acc``, optionally into a subset of rows.
+
+    Args:
+        out_acc, lse_acc: accumulator ``[B, S, H, D]`` / ``[B, H, S]``, updated in place.
+        out_blk, lse_blk: block result for the selected rows, ``[B, S', H, D]`` / ``[B, H, S']``.
+        rows: which accumulator rows (sequence dim) the block covers: a ``slice`` or an index /
+            bool tensor with S' entries (e.g. the second half of a zigzag shard); None = all rows.
+    """
+    if rows is None:
+        rows = slice(None)
+    out_new, lse_new = merge_attn(out_acc[:, rows], lse_acc[:, :, rows], out_blk, lse_blk)
+    out_acc[:, rows] = out_new
+    lse_acc[:, :, rows] = lse_new

@@ -1,0 +1,51 @@
+"""Dense single-device attention: the ground truth every kernel and distributed algorithm is tested against.
+
+Legend:
+    B, Sq, Sk  batch, query tokens, key tokens
+    H, H_kv    query heads, key/value heads (GQA: query head h uses kv head h // (H // H_kv))
+    D          head dim
+
+Materialises the full ``[B, H, Sq, Sk]`` score matrix: O(S²) memory, meant for tests (fp64).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["dense_attention_reference"]
+
+
+def dense_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain softmax attention, differentiable by autograd, computed in the input dtype.
+
+    Args:
+        q: ``[B, Sq, H, D]``; k, v: ``[B, Sk, H_kv, D]``.
+        mask: None (all visible) or bool ``[Sq, Sk]`` / ``[B, Sq, Sk]``, True = visible.
+        scale: softmax scale, default ``D ** -0.5``.
+
+    Returns:
+        ``(out [B, Sq, H, D], lse [B, H, Sq])``; a row that sees no key has out 0 and lse -inf
+        (its gradients are 0, not NaN).
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    group = q.shape[2] // k.shape[2]
+    k_h = k.repeat_interleave(group, dim=2).transpose(1, 2)  # [B, H, Sk, D]
+    v_h = v.repeat_interleave(group, dim=2).transpose(1, 2)
+    scores = scale * q.transpose(1, 2) @ k_h.transpose(-1, -2)  # [B, H, Sq, Sk]
+    if mask is None:
+        lse = torch.logsumexp(scores, dim=-1)
+        return (torch.softmax(scores, dim=-1) @ v_h).transpose(1, 2), lse
+    visible = (mask if mask.dim() == 3 else mask.unsqueeze(0)).unsqueeze(1)  # [B|1, 1, Sq, Sk]
+    empty_row = ~visible.any(dim=-1, keepdim=True)
+    # Empty rows get finite dummy scores so softmax/logsumexp stay NaN-free; their p is zeroed below.
+    scores = scores.masked_fill(~visible, float("-inf")).masked_fill(empty_row, 0.0)
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - lse.unsqueeze(-1)).masked_fill(~visible, 0.0)
+    lse = lse.masked_fill(empty_row.squeeze(-1), float("-inf"))
+    return (p @ v_h).transpose(1, 2), lse
