@@ -1,0 +1,1 @@
+"""Benchmark scripts (run with torchrun / python -m); results land in benchmarks/results/."""

@@ -1,0 +1,51 @@
+"""Shared by the distributed benchmark scripts: synchronized timing and result files."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def slowest_rank_median(step: Callable[[], None], reps: int) -> float:
+    """Median over ``reps`` (after one warm-up) of the slowest rank's time for ``step()``."""
+    times = []
+    for rep in range(reps + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        elapsed = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if rep:
+            times.append(elapsed.item())
+    return statistics.median(times)
+
+
+def gather_floats(value: float) -> list[float]:
+    """``value`` from every rank, in rank order."""
+    out = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, torch.tensor([float(value)]))
+    return [t.item() for t in out]
+
+
+def save_results(
+    name: str, title: str, meta: dict, rows: list[dict], columns: list[tuple[str, str, str]]
+) -> str:
+    """Write ``results/<name>.json`` and ``results/<name>.md``; return the markdown table.
+
+    ``columns``: (header, row key, format spec) triples.
+    """
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    lines = [title, "", "| " + " | ".join(c[0] for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(format(r[key], spec) for _, key, spec in columns) + " |" for r in rows]
+    table = "\n".join(lines) + "\n"
+    (RESULTS / f"{name}.md").write_text(table)
+    return table
