@@ -7,12 +7,25 @@ Public API (more arrives with the attention, data and engine modules):
 * :class:`CommStats`: bytes and messages per collective kind, per rank.
 * :func:`attention`: exact attention over the SP group (USP / Ulysses / ring, per the config);
   :func:`input_layout`: the token layout the data side shards with.
+* :func:`initialize`: ``deepspeed.initialize`` with the section honoured (mesh, mpu, HF attention
+  routing, SP loss, sharding DataLoader); :class:`SeqParCausalLM`, :func:`shard_batch`,
+  :func:`seqpar_dataloader`, :func:`sp_causal_lm_loss` are its parts.
 """
 
 from ds_seqpar.comm.stats import CommRegion, CommStats
 from ds_seqpar.config import SeqParConfigError, SequenceParallelConfig, load_config, parse_section
+from ds_seqpar.data import SeqParCollator, seqpar_dataloader, shard_batch
+from ds_seqpar.integrations.deepspeed import initialize, install_deepspeed_guard
+from ds_seqpar.integrations.transformers import (
+    SeqParCausalLM,
+    disable_sequence_parallel,
+    enable_sequence_parallel,
+)
+from ds_seqpar.loss import sp_causal_lm_loss
 from ds_seqpar.mesh import DeepSpeedMPU, MeshCoords, MeshPlan, SeqParMesh, plan_mesh
 from ds_seqpar.parallel.usp import attention, input_layout
+
+install_deepspeed_guard()  # plain deepspeed.initialize refuses configs with a sequence_parallel section
 
 __version__ = "0.1.0"
 
@@ -22,13 +35,21 @@ __all__ = [
     "DeepSpeedMPU",
     "MeshCoords",
     "MeshPlan",
+    "SeqParCausalLM",
+    "SeqParCollator",
     "SeqParConfigError",
     "SeqParMesh",
     "SequenceParallelConfig",
     "__version__",
     "attention",
+    "disable_sequence_parallel",
+    "enable_sequence_parallel",
+    "initialize",
     "input_layout",
     "load_config",
     "parse_section",
     "plan_mesh",
+    "seqpar_dataloader",
+    "shard_batch",
+    "sp_causal_lm_loss",
 ]

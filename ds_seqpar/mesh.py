@@ -262,11 +262,16 @@ class SeqParMesh:
 class DeepSpeedMPU:
     """The ``mpu`` object DeepSpeed 0.19.8 queries when SP is combined with ZeRO.
 
-    It follows DeepSpeed's own SP state module (``runtime/sequence_parallel/parallel_state_sp.py``):
-    ZeRO shards and reduces gradients over the sequence-data-parallel group (dp x sp), the data
-    sampler uses the dp group (so the ranks of one SP group read the same samples), and "model
-    parallel" is an alias of the SP group. The presence of ``initialize_sequence_parallel`` is how
-    DeepSpeed recognises this kind of mpu.
+    It has exactly the interface of DeepSpeed's own SP state module
+    (``runtime/sequence_parallel/parallel_state_sp.py``), which DeepSpeed recognises by its
+    ``initialize_sequence_parallel`` method: ZeRO-1/2/3 partition and reduce gradients over the
+    sequence-data-parallel group (dp x sp, here the whole world) and "model parallel" is an alias
+    of the SP group.
+
+    It deliberately has NO ``get_data_parallel_*`` methods: DeepSpeed's ZeRO-3 partitions the
+    parameters over ``mpu.get_data_parallel_group()`` when that method exists, which would leave
+    the SP ranks out of the gradient reduction (each SP rank would update with its own partial
+    gradient). ds_seqpar's data loader takes the dp rank from the mesh instead (``mesh.coords``).
     """
 
     def __init__(self, mesh: SeqParMesh) -> None:
@@ -299,19 +304,6 @@ class DeepSpeedMPU:
 
     def get_sequence_data_parallel_rank(self) -> int:
         return self.mesh.coords.rank
-
-    # data parallel (sampler)
-    def get_data_parallel_group(self) -> Any:
-        return self.mesh.group("dp")
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.mesh.dp_size
-
-    def get_data_parallel_rank(self) -> int:
-        return self.mesh.coords.dp_rank
-
-    def get_data_parallel_group_ranks(self) -> list[int]:
-        return list(self.mesh.members["dp"])
 
     # model parallel = sequence parallel (as in DeepSpeed's SP state module)
     get_model_parallel_group = get_sequence_parallel_group

@@ -69,6 +69,15 @@ def _worker(
 ) -> None:
     """Body of one spawned rank: join the gloo group, then run tasks until told to stop."""
     torch.set_num_threads(1)
+    # what a launcher (torchrun / deepspeed) would export; DeepSpeed's engine checks LOCAL_RANK
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     dump = open(dump_path, "w")  # noqa: SIM115 - kept open for faulthandler for the process lifetime
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     try:

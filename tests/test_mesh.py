@@ -57,11 +57,12 @@ def build_and_describe(sp: int, u: int, ri: int | None) -> dict:
         "mpu": (
             mpu.get_sequence_parallel_world_size(),
             mpu.get_sequence_parallel_rank(),
-            mpu.get_data_parallel_world_size(),
-            mpu.get_data_parallel_rank(),
             mpu.get_sequence_data_parallel_world_size(),
-            dist.get_process_group_ranks(mpu.get_data_parallel_group()),
+            mpu.get_sequence_data_parallel_rank(),
+            dist.get_process_group_ranks(mpu.get_sequence_data_parallel_group()),
             dist.get_process_group_ranks(mpu.get_model_parallel_group()),
+            # ZeRO-3 would partition over get_data_parallel_group() and skip the SP ranks
+            hasattr(mpu, "get_data_parallel_group"),
         ),
         "describe": mesh.describe(),
     }
@@ -84,7 +85,7 @@ def test_mesh_groups_and_coordinates_on_real_ranks(dist_pool, world):
             assert (c.dp_rank, c.sp_rank) == divmod(rank, sp), case
             assert (c.ring_rank, c.ulysses_rank) == divmod(c.sp_rank, u), case
             assert (c.ring_outer_rank, c.ring_inner_rank) == divmod(c.ring_rank, r_inner), case
-            assert rep["mpu"] == (sp, rank % sp, w // sp, rank // sp, w, exp["dp"], exp["sp"]), case
+            assert rep["mpu"] == (sp, rank % sp, w, rank, exp["sp_dp"], exp["sp"], False), case
             assert rep["describe"].startswith(f"rank {rank}: dp {rank // sp}/{w // sp}"), case
 
 

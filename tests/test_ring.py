@@ -103,6 +103,13 @@ def run_ring_cases(cases: list[dict]) -> list[dict]:
     return results
 
 
+def _run_and_check(pool, cases: list[dict]) -> None:
+    """Run all cases in the pool's group and check every rank's errors."""
+    results = pool.run(run_ring_cases, cases)
+    for i, case in enumerate(cases):
+        _check(case, [per_rank[i] for per_rank in results])
+
+
 def _check(case: dict, per_rank: list[dict]) -> None:
     tol = TOL[case["dtype"]]
     for rank, res in enumerate(per_rank):
@@ -177,10 +184,7 @@ def _sweep(world: int) -> list[dict]:
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_ring_matches_dense_reference(dist_pool, world):
-    cases = _sweep(world)
-    results = dist_pool(world).run(run_ring_cases, cases)
-    for i, case in enumerate(cases):
-        _check(case, [results[r][i] for r in range(world)])
+    _run_and_check(dist_pool(world), _sweep(world))
 
 
 def _double_ring_cases() -> list[dict]:
@@ -227,10 +231,7 @@ def _double_ring_cases() -> list[dict]:
 
 
 def test_double_ring_at_p8_as_2x4_and_4x2(dist_pool):
-    cases = _double_ring_cases()
-    results = dist_pool(8).run(run_ring_cases, cases)
-    for i, case in enumerate(cases):
-        _check(case, [results[r][i] for r in range(8)])
+    _run_and_check(dist_pool(8), _double_ring_cases())
 
 
 def _all_gather_cases() -> list[dict]:
@@ -265,10 +266,7 @@ def _all_gather_cases() -> list[dict]:
 
 
 def test_all_gather_schedule(dist_pool):
-    cases = _all_gather_cases()
-    results = dist_pool(4).run(run_ring_cases, cases)
-    for i, case in enumerate(cases):
-        _check(case, [results[r][i] for r in range(4)])
+    _run_and_check(dist_pool(4), _all_gather_cases())
 
 
 def test_bytes_per_rank_equal_the_formula(dist_pool):

@@ -135,21 +135,31 @@ def _query_meta(plan: RingPlan, seq_len: int, device: torch.device) -> tuple[tor
     return q_pos, q_doc
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan) -> int:
-    """Validate shapes before any communication; return the global length S."""
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caller: str) -> None:
+    """Shapes, dtypes and devices of local q ``[B, n, H, D]`` and k, v ``[B, n, H_kv, D]``."""
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(
-            f"ring attention takes q [B, n, H, D] and k, v [B, n, H_kv, D]; got q {tuple(q.shape)}, "
+            f"{caller} takes q [B, n, H, D] and k, v [B, n, H_kv, D]; got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
         raise ValueError(
             f"k {tuple(k.shape)} must match q {tuple(q.shape)} in batch, local length and head dim"
         )
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k, v must share dtype and device; got {q.dtype}/{q.device}, {k.dtype}/{k.device}, "
+            f"{v.dtype}/{v.device}"
+        )
     if q.shape[2] % k.shape[2] != 0:
         raise ValueError(
             f"query heads H={q.shape[2]} must be a multiple of key/value heads H_kv={k.shape[2]}"
         )
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan) -> int:
+    """Validate before any communication; return the global length S."""
+    check_qkv(q, k, v, "ring attention")
     seq_len = q.shape[1] * plan.layout.world
     plan.layout.check_length(seq_len)
     if plan.doc_ids is not None and plan.doc_ids.shape[-1] != seq_len:

@@ -22,7 +22,7 @@ from ds_seqpar.layout import SeqLayout, UspLayout
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.attention import resolve_kernel
 from ds_seqpar.ops.masks import MaskSpec
-from ds_seqpar.parallel.ring import RingPlan, WorkCounter, build_schedule, ring_attention
+from ds_seqpar.parallel.ring import RingPlan, WorkCounter, build_schedule, check_qkv, ring_attention
 from ds_seqpar.parallel.ulysses import gather_heads, scatter_heads
 
 
@@ -55,23 +55,8 @@ def _check(
     doc_ids: torch.Tensor | None,
 ) -> int:
     """Validate everything before any collective; return the global length S."""
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(
-            f"ds_seqpar.attention takes q [B, n, H, D] and k, v [B, n, H_kv, D]; got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
-        raise ValueError(
-            f"k {tuple(k.shape)} must match q {tuple(q.shape)} in batch, local length and head dim"
-        )
-    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise ValueError(
-            f"q, k, v must share dtype and device; got {q.dtype}/{q.device}, {k.dtype}/{k.device}, "
-            f"{v.dtype}/{v.device}"
-        )
-    h, h_kv = q.shape[2], k.shape[2]
-    if h % h_kv != 0:
-        raise ValueError(f"query heads H={h} must be a multiple of key/value heads H_kv={h_kv}")
+    check_qkv(q, k, v, "ds_seqpar.attention")
+    h = q.shape[2]
     if mesh.ulysses_size > h:
         raise ValueError(
             f"sequence_parallel.ulysses_degree={mesh.ulysses_size} exceeds the {h} query heads of this layer; "

@@ -1,0 +1,180 @@
+"""Shard batches for sequence parallelism: pad, pre-shift labels, reorder by layout, keep this rank's slice.
+
+Legend: B = batch, S = global sequence length (after padding), P = SP degree, n = S / P.
+
+Every rank of an SP group receives the SAME full batch (the sampler uses the dp rank), and
+``shard_batch`` turns it into this rank's part:
+
+1. pad S up to the multiple the layout needs (``input_layout(mesh).multiple``): input ids with
+   ``pad_token_id``, labels with -100, RoPE positions continue the last document;
+2. pre-shift labels (``shift_labels[t] = labels[t + 1]``, last -100) BEFORE sharding, so the label of
+   the last token of every shard is the first token of the next one, not lost;
+3. derive document ids: packed rows (``position_ids`` restarting at 0) and padding inside the row
+   (``attention_mask == 0``, which also gets label -100) become per-token document ids ``[B, S]``
+   (-1 = padding), which the attention masks with; plain rows need none (causal attention never
+   lets a real token see the end padding);
+4. reorder by the layout and keep this rank's n tokens of ``input_ids``, ``shift_labels`` and
+   ``position_ids`` (RoPE positions; GLOBAL, so zigzag/stripe shards get the right rotary angles).
+
+Outputs (a dict): ``input_ids [B, n]``, ``shift_labels [B, n]``, ``position_ids [B, n]``,
+``doc_ids [B, S] | None`` (global order, consumed by the attention of every layer) and
+``seq_len`` (S). ``SeqParCollator`` wraps any collator; ``seqpar_dataloader`` builds a DataLoader
+whose sampler splits the data over the dp ranks only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from ds_seqpar.layout import UspLayout
+from ds_seqpar.mesh import SeqParMesh
+from ds_seqpar.parallel.usp import input_layout
+
+IGNORE_INDEX = -100
+
+
+def _pad_right(x: torch.Tensor, length: int, value: int) -> torch.Tensor:
+    if x.shape[1] == length:
+        return x
+    return torch.nn.functional.pad(x, (0, length - x.shape[1]), value=value)
+
+
+def _continue_positions(pos: torch.Tensor, length: int) -> torch.Tensor:
+    """Pad RoPE positions ``[B, S0]`` to ``length`` by continuing each row's last document."""
+    extra = length - pos.shape[1]
+    if extra == 0:
+        return pos
+    steps = torch.arange(1, extra + 1, device=pos.device, dtype=pos.dtype)
+    return torch.cat([pos, pos[:, -1:] + steps], dim=1)
+
+
+def doc_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """Document id per token ``[B, S]`` of packed rows: a new document starts wherever the position drops."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] <= position_ids[:, :-1]
+    return torch.cumsum(starts.long(), dim=1) - 1
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` -> next-token labels ``[B, S]`` (last position -100)."""
+    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def shard_batch(
+    batch: dict[str, Any], mesh: SeqParMesh, *, pad_token_id: int = 0, layout: UspLayout | None = None
+) -> dict[str, Any]:
+    """This rank's shard of a full batch (see the module docstring).
+
+    Args:
+        batch: ``input_ids [B, S0]`` and optionally ``labels`` (default: the input ids),
+            ``attention_mask`` (0 = padding), ``position_ids`` (restarting per packed document).
+        mesh: the SP mesh; the shard is ``mesh.coords.sp_rank``'s.
+        pad_token_id: id used to pad ``input_ids`` to the layout's multiple.
+        layout: defaults to ``input_layout(mesh)``.
+    """
+    if "input_ids" not in batch:
+        raise ValueError(f"shard_batch needs 'input_ids' in the batch; got keys {sorted(batch)}")
+    ids = torch.as_tensor(batch["input_ids"])
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, S]; got shape {tuple(ids.shape)}")
+    b, s0 = ids.shape
+    labels = torch.as_tensor(batch["labels"]) if batch.get("labels") is not None else ids.clone()
+    positions = batch.get("position_ids")
+    attn = batch.get("attention_mask")
+    for name, t in (("labels", labels), ("position_ids", positions), ("attention_mask", attn)):
+        if t is not None and tuple(torch.as_tensor(t).shape) != (b, s0):
+            raise ValueError(f"{name} has shape {tuple(torch.as_tensor(t).shape)} but input_ids is {(b, s0)}")
+    layout = layout or input_layout(mesh)
+    mult = layout.multiple
+    seq_len = max(mult, -(-s0 // mult) * mult)
+
+    if attn is not None:
+        attn = torch.as_tensor(attn).bool()
+        labels = labels.masked_fill(~attn, IGNORE_INDEX)
+    shifted = shift_labels(labels)
+    if attn is not None:
+        shifted = shifted.masked_fill(~attn, IGNORE_INDEX)  # padding queries predict nothing
+
+    packed = positions is not None
+    if positions is None:
+        positions = torch.arange(s0).expand(b, s0)
+    positions = torch.as_tensor(positions).long()
+    doc_ids = None
+    padded_inside = attn is not None and not bool(attn.all())
+    if packed or padded_inside:
+        doc_ids = doc_ids_from_positions(positions) if packed else torch.zeros(b, s0, dtype=torch.long)
+        if padded_inside:
+            doc_ids = doc_ids.masked_fill(~attn, -1)
+        doc_ids = _pad_right(doc_ids, seq_len, -1)
+        if packed and int(doc_ids.max()) == 0 and not padded_inside:
+            doc_ids = None  # one document per row: the plain causal mask is exact
+    rank = mesh.coords.sp_rank
+    return {
+        "input_ids": layout.shard(_pad_right(ids, seq_len, pad_token_id), rank),
+        "shift_labels": layout.shard(_pad_right(shifted, seq_len, IGNORE_INDEX), rank),
+        "position_ids": layout.shard(_continue_positions(positions, seq_len), rank),
+        "doc_ids": doc_ids,
+        "seq_len": seq_len,
+    }
+
+
+def _stack(examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Default collation: stack equal-length examples (lists or tensors) key by key."""
+    keys = examples[0].keys()
+    return {k: torch.stack([torch.as_tensor(e[k]) for e in examples]) for k in keys}
+
+
+class SeqParCollator:
+    """Collate examples into a full batch, then shard it for this rank (``shard_batch``)."""
+
+    def __init__(
+        self,
+        mesh: SeqParMesh,
+        base: Callable[[Sequence[Any]], dict[str, Any]] | None = None,
+        pad_token_id: int = 0,
+    ) -> None:
+        self.mesh = mesh
+        self.base = base or _stack
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, examples: Sequence[Any]) -> dict[str, Any]:
+        return shard_batch(dict(self.base(examples)), self.mesh, pad_token_id=self.pad_token_id)
+
+
+def seqpar_dataloader(
+    dataset: Dataset,
+    mesh: SeqParMesh,
+    batch_size: int,
+    *,
+    collate_fn: Callable[[Sequence[Any]], dict[str, Any]] | None = None,
+    shuffle: bool = True,
+    seed: int = 0,
+    pad_token_id: int = 0,
+    drop_last: bool = True,
+) -> DataLoader:
+    """A DataLoader over ``dataset`` for this rank: dp-sharded sampling, SP-sharded sequences.
+
+    The sampler splits samples over the ``mesh.dp_size`` data-parallel replicas (rank =
+    ``mesh.coords.dp_rank``), so all SP ranks of one group read the same samples; each batch is
+    then sharded along the sequence by ``SeqParCollator``. Call ``loader.sampler.set_epoch(e)``
+    each epoch when shuffling.
+    """
+    sampler = DistributedSampler(
+        dataset,
+        num_replicas=mesh.dp_size,
+        rank=mesh.coords.dp_rank,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+    )
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        collate_fn=SeqParCollator(mesh, collate_fn, pad_token_id),
+        drop_last=drop_last,
+    )

@@ -1,0 +1,174 @@
+"""``ds_seqpar.initialize``: ``deepspeed.initialize`` with the ``"sequence_parallel"`` section honoured.
+
+Same arguments and returns as ``deepspeed.initialize`` (``engine, optimizer, training_dataloader,
+lr_scheduler``). In order, before anything trains:
+
+1. read and validate the section (``load_config``), initialise torch.distributed if needed (gloo on
+   CPU, NCCL on GPU, DeepSpeed's launcher environment), check the world size and the model's heads;
+2. build the ``SeqParMesh``, switch the model's attention to ds_seqpar and wrap it in
+   ``SeqParCausalLM`` (sharded batch in, SP-group loss out) with the gradient factor of the ZeRO
+   stage;
+3. call ``deepspeed.initialize`` with the mesh's ``mpu``, so ZeRO-1/2/3 partition and reduce over
+   dp x sp while the data sampler uses dp only;
+4. wrap ``training_data`` into the sharding DataLoader (``ds_seqpar.data.seqpar_dataloader``).
+
+A JSON optimizer of type Adam/AdamW on CPU gets ``"torch_adam": true`` unless the config says
+otherwise, because DeepSpeed's CPU Adam is a JIT-compiled op (minutes on a fresh machine).
+
+Importing this module also guards plain ``deepspeed.initialize``: a config that carries a
+``"sequence_parallel"`` section and reaches it directly fails with a message pointing here,
+instead of training silently without sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ds_seqpar.config import SECTION, SeqParConfigError, load_config
+from ds_seqpar.data import seqpar_dataloader
+from ds_seqpar.integrations.transformers import SeqParCausalLM
+from ds_seqpar.loss import sp_grad_scale
+from ds_seqpar.mesh import SeqParMesh
+
+_GUARD_BYPASS = "_ds_seqpar_initialize"
+
+
+def init_distributed() -> None:
+    """Initialise torch.distributed through DeepSpeed (gloo on CPU, NCCL on CUDA), once."""
+    import deepspeed
+
+    if not torch.cuda.is_available():
+        # DeepSpeed JIT-builds a shared-memory comm op on CPU (~1 min on a fresh machine) the first
+        # time its comm layer starts, even over an existing process group; gloo needs none.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _avoid_jit_optimizer(ds_config: dict[str, Any]) -> None:
+    opt = ds_config.get("optimizer")
+    if not isinstance(opt, dict) or torch.cuda.is_available():
+        return
+    if str(opt.get("type", "")).lower() in {"adam", "adamw"}:
+        params = opt.setdefault("params", {})
+        params.setdefault("torch_adam", True)
+
+
+def zero_stage(ds_config: dict[str, Any]) -> int:
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
+
+
+def initialize(
+    model: torch.nn.Module,
+    config: str | os.PathLike[str] | dict[str, Any],
+    model_parameters: Any = None,
+    optimizer: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    *,
+    collate_fn: Callable[..., dict[str, Any]] | None = None,
+    pad_token_id: int = 0,
+    shuffle: bool = True,
+    seed: int = 0,
+    loss_chunk_size: int = 1024,
+    **deepspeed_kwargs: Any,
+) -> tuple[Any, Any, Any, Any]:
+    """Sequence-parallel ``deepspeed.initialize``; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
+
+    Args:
+        model: a HuggingFace causal LM (random-init or ``from_pretrained``).
+        config: DeepSpeed config path or dict with a ``"sequence_parallel"`` section.
+        model_parameters, optimizer, lr_scheduler: as for ``deepspeed.initialize`` (a client
+            optimizer such as ``torch.optim.AdamW`` needs no compiled op).
+        training_data: a map-style dataset of examples with ``input_ids`` (and optionally
+            ``labels``, ``attention_mask``, ``position_ids``); wrapped in the sharding DataLoader.
+        collate_fn: builds a full batch from examples (default: stack), before sharding.
+        deepspeed_kwargs: passed to ``deepspeed.initialize``.
+
+    The engine's forward takes the sharded batch (``engine(**batch)``) and returns the SP-group loss.
+    """
+    import deepspeed
+
+    section, ds_config = load_config(config)
+    if not section.enabled:
+        raise SeqParConfigError(
+            f"{SECTION}.enabled is false; call deepspeed.initialize with the config instead of ds_seqpar.initialize"
+        )
+    init_distributed()
+    mesh = SeqParMesh.from_config(section, getattr(model, "config", None))  # validates before any collective
+    _avoid_jit_optimizer(ds_config)
+    wrapped = SeqParCausalLM(
+        model,
+        mesh,
+        grad_scale=sp_grad_scale(zero_stage(ds_config), mesh.sp_size),
+        loss_chunk_size=loss_chunk_size,
+    )
+    if model_parameters is None and optimizer is None:
+        model_parameters = wrapped.parameters()
+    ds_config[_GUARD_BYPASS] = True
+    try:
+        engine, opt, _, sched = deepspeed.initialize(
+            model=wrapped,
+            model_parameters=model_parameters,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            config=ds_config,
+            mpu=mesh.mpu(),
+            **deepspeed_kwargs,
+        )
+    finally:
+        ds_config.pop(_GUARD_BYPASS, None)
+    loader = None
+    if training_data is not None:
+        loader = seqpar_dataloader(
+            training_data,
+            mesh,
+            int(ds_config.get("train_micro_batch_size_per_gpu", 1)),
+            collate_fn=collate_fn,
+            shuffle=shuffle,
+            seed=seed,
+            pad_token_id=pad_token_id,
+        )
+    engine.seqpar_mesh = mesh
+    return engine, opt, loader, sched
+
+
+def _guarded(initialize_fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(initialize_fn)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        config = kwargs.get("config", kwargs.get("config_params"))
+        if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
+            import json
+
+            with open(config, encoding="utf-8") as fh:
+                try:
+                    config = json.load(fh)
+                except ValueError:
+                    config = None
+        if isinstance(config, dict):
+            if config.pop(_GUARD_BYPASS, False):
+                return initialize_fn(*args, **kwargs)
+            if SECTION in config:
+                raise SeqParConfigError(
+                    f"this DeepSpeed config has a '{SECTION}' section, which deepspeed.initialize ignores (it would "
+                    "train without sequence parallelism); call ds_seqpar.initialize(model=..., config=...) instead, "
+                    "or use ds_seqpar.SeqParTrainer with the HF Trainer"
+                )
+        return initialize_fn(*args, **kwargs)
+
+    guarded._ds_seqpar_guard = True
+    return guarded
+
+
+def install_deepspeed_guard() -> None:
+    """Make plain ``deepspeed.initialize`` refuse configs with a ``sequence_parallel`` section (idempotent)."""
+    import deepspeed
+
+    if not getattr(deepspeed.initialize, "_ds_seqpar_guard", False):
+        deepspeed.initialize = _guarded(deepspeed.initialize)

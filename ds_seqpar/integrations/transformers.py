@@ -1,0 +1,192 @@
+"""Route the attention of unmodified HuggingFace models through ``ds_seqpar.attention``.
+
+transformers 5.x calls ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, query, key,
+value, attention_mask, dropout=..., scaling=..., **kwargs)`` from every attention layer, with query
+``[B, H, n, D]``, key/value ``[B, H_kv, n, D]`` (RoPE applied, K/V heads not repeated) and the model's
+forward kwargs passed through (``position_ids``, ``sliding_window`` for sliding layers, ...).
+
+``enable_sequence_parallel(model)`` registers one more implementation, ``"ds_seqpar"``, and selects it
+with ``model.set_attn_implementation`` for this model only (overriding ``"sdpa"`` process-wide would
+change every other model in the process). The model's own code paths stay as they are: RoPE,
+sliding-window layers (the ``sliding_window`` kwarg is honoured), GQA, per-layer types. HF builds no
+4-D mask for this implementation (``attention_mask`` is None): masks come from global positions and
+the ``doc_ids`` of the batch (padding and packed documents), like every ds_seqpar algorithm.
+
+Per-batch state travels explicitly in the forward kwargs as ``ds_seqpar_context=SeqParContext(...)``
+(``SeqParCausalLM`` passes it); an attention call without it, with dropout, or with a KV cache
+(q_len != k_len, i.e. generation) raises a clear error instead of computing something wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ds_seqpar.loss import sp_causal_lm_loss
+from ds_seqpar.mesh import SeqParMesh
+from ds_seqpar.parallel.ring import WorkCounter
+from ds_seqpar.parallel.usp import attention
+
+ATTN_IMPLEMENTATION = "ds_seqpar"
+CONTEXT_KEY = "ds_seqpar_context"
+
+
+@dataclass
+class SeqParContext:
+    """What the attention layers of one forward need besides q, k, v."""
+
+    mesh: SeqParMesh
+    doc_ids: torch.Tensor | None = None
+    work: WorkCounter | None = None
+    calls: int = field(default=0)
+
+
+def seqpar_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The ``"ds_seqpar"`` attention implementation: HF layout in, ``(out [B, n, H, D], None)`` out."""
+    ctx = kwargs.get(CONTEXT_KEY)
+    name = type(module).__name__
+    if not isinstance(ctx, SeqParContext):
+        raise RuntimeError(
+            f"{name} called the '{ATTN_IMPLEMENTATION}' attention without a ds_seqpar context; run the model "
+            "through ds_seqpar.SeqParCausalLM / ds_seqpar.initialize (they pass ds_seqpar_context=...), or "
+            "restore the original attention with disable_sequence_parallel(model)"
+        )
+    if dropout:
+        raise ValueError(
+            f"{name}: attention dropout={dropout} is not supported under sequence parallelism; "
+            "set config.attention_dropout=0.0"
+        )
+    if query.shape[2] != key.shape[2]:
+        raise RuntimeError(
+            f"{name}: q_len={query.shape[2]} != k_len={key.shape[2]} (a KV cache is in use); sequence-parallel "
+            "attention needs the whole sequence at once: pass use_cache=False, and generate with an unwrapped model"
+        )
+    out = attention(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        mesh=ctx.mesh,
+        causal=getattr(module, "is_causal", True),
+        softmax_scale=scaling,
+        window=sliding_window,
+        doc_ids=ctx.doc_ids,
+        work=ctx.work,
+    )
+    ctx.calls += 1
+    return out, None
+
+
+def register_attention() -> None:
+    """Register the ``"ds_seqpar"`` implementation with transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, seqpar_attention_forward)
+
+
+def enable_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
+    """Switch ``model``'s attention to ``"ds_seqpar"``; remember the original to restore it.
+
+    Raises an error naming the model class and its attention implementation when the model does
+    not dispatch through transformers' attention interface.
+    """
+    config = getattr(model, "config", None)
+    original = getattr(config, "_attn_implementation", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        raise TypeError(
+            f"{type(model).__name__} is not a HuggingFace PreTrainedModel with a config; ds_seqpar routes the "
+            "attention of transformers models (e.g. LlamaForCausalLM, MistralForCausalLM, Qwen3ForCausalLM)"
+        )
+    if original == ATTN_IMPLEMENTATION:
+        return model
+    register_attention()
+    try:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    except (ValueError, KeyError, NotImplementedError) as exc:
+        raise TypeError(
+            f"{type(model).__name__} (attn_implementation={original!r}) cannot route its attention through "
+            f"ds_seqpar: transformers refused a custom attention implementation ({exc})"
+        ) from exc
+    model._ds_seqpar_original_attn = original
+    return model
+
+
+def disable_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
+    """Restore the attention implementation the model had before ``enable_sequence_parallel``."""
+    original = getattr(model, "_ds_seqpar_original_attn", None)
+    if original is not None:
+        model.set_attn_implementation(original)
+        del model._ds_seqpar_original_attn
+    return model
+
+
+class SeqParCausalLM(torch.nn.Module):
+    """A causal LM under sequence parallelism: sharded batch in, SP-group loss out.
+
+    ``forward(input_ids, shift_labels, position_ids, doc_ids=None, **_)`` takes the output of
+    ``ds_seqpar.data.shard_batch`` and returns the token-weighted loss of the SP group (see
+    ``ds_seqpar.loss``); logits are computed in chunks and never materialised for the whole shard.
+
+    Args:
+        model: a HuggingFace ``*ForCausalLM`` (its attention is switched to ``"ds_seqpar"``).
+        mesh: the SP mesh.
+        grad_scale: see ``ds_seqpar.loss.sp_grad_scale``.
+        loss_chunk_size: tokens per logits chunk.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, mesh: SeqParMesh, grad_scale: float = 1.0, loss_chunk_size: int = 1024
+    ) -> None:
+        super().__init__()
+        self.model = enable_sequence_parallel(model)
+        self.mesh = mesh
+        self.grad_scale = grad_scale
+        self.loss_chunk_size = loss_chunk_size
+        self.last_num_tokens: torch.Tensor | None = None
+        self.work = WorkCounter()
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        shift_labels: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        **_: Any,
+    ) -> torch.Tensor:
+        ctx = SeqParContext(self.mesh, doc_ids, self.work)
+        base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.base_model
+        hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False, **{CONTEXT_KEY: ctx})
+        hidden = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
+        expected = getattr(self.model.config, "num_hidden_layers", None)
+        if ctx.calls == 0 or (expected is not None and ctx.calls != expected):
+            raise RuntimeError(
+                f"{type(self.model).__name__} (original attn_implementation="
+                f"{getattr(self.model, '_ds_seqpar_original_attn', None)!r}) called the ds_seqpar attention "
+                f"{ctx.calls} times for {expected} layers: some attention does not dispatch through transformers' "
+                "attention interface, so it cannot be split over the sequence"
+            )
+        loss, num_tokens = sp_causal_lm_loss(
+            hidden,
+            shift_labels,
+            self.model.get_output_embeddings(),
+            self.mesh.group("sp"),
+            grad_scale=self.grad_scale,
+            chunk_size=self.loss_chunk_size,
+        )
+        self.last_num_tokens = num_tokens
+        return loss

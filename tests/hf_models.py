@@ -1,0 +1,76 @@
+"""Tiny random-init HuggingFace models built from configs (no downloads), shared by the HF tests."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 96
+
+
+def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A float32 causal LM: ``llama``, ``mistral`` (sliding window) or ``qwen3`` (H=8, H_kv=2)."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+    )
+    if kind == "llama":
+        cfg, cls = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **common), LlamaForCausalLM
+    elif kind == "mistral":
+        cfg = MistralConfig(num_attention_heads=4, num_key_value_heads=2, sliding_window=12, **common)
+        cls = MistralForCausalLM
+    elif kind == "qwen3":
+        cfg = Qwen3Config(num_attention_heads=8, num_key_value_heads=2, head_dim=8, **common)
+        cls = Qwen3ForCausalLM
+    else:
+        raise ValueError(f"unknown tiny model kind {kind!r}")
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(seed)
+    model = cls(cfg).float()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def batches(num: int, batch_size: int, seq_len: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    """``num`` random token batches ``{"input_ids": [batch_size, seq_len]}``."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(0, VOCAB, (batch_size, seq_len), generator=g)} for _ in range(num)]
+
+
+def reference_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Non-SP token-mean next-token loss of a full batch (labels = input ids, shifted over the row).
+
+    Packed rows (``position_ids`` restarting per document) run each document as its own forward
+    (HF's sdpa path does not separate packed documents when no mask is given), then the logits
+    are concatenated, so the reference attention never crosses a document boundary.
+    """
+    ids = batch["input_ids"]
+    labels = batch.get("labels", ids)
+    if "attention_mask" in batch:
+        labels = labels.masked_fill(batch["attention_mask"] == 0, -100)
+    if "position_ids" in batch:
+        logits = []
+        for row, pos in zip(ids, batch["position_ids"]):
+            starts = [0, *(i for i in range(1, len(pos)) if pos[i] <= pos[i - 1]), len(pos)]
+            docs = [row[a:b][None] for a, b in zip(starts[:-1], starts[1:])]
+            logits.append(torch.cat([model(input_ids=d).logits for d in docs], dim=1))
+        logits = torch.cat(logits)
+    else:
+        kwargs = {"attention_mask": batch["attention_mask"]} if "attention_mask" in batch else {}
+        logits = model(input_ids=ids, **kwargs).logits
+    shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1))
