@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 VOCAB = 96
@@ -66,11 +68,13 @@ def reference_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
         logits = []
         for row, pos in zip(ids, batch["position_ids"]):
             starts = [0, *(i for i in range(1, len(pos)) if pos[i] <= pos[i - 1]), len(pos)]
-            docs = [row[a:b][None] for a, b in zip(starts[:-1], starts[1:])]
+            docs = [row[a:b][None] for a, b in itertools.pairwise(starts)]
             logits.append(torch.cat([model(input_ids=d).logits for d in docs], dim=1))
         logits = torch.cat(logits)
     else:
         kwargs = {"attention_mask": batch["attention_mask"]} if "attention_mask" in batch else {}
         logits = model(input_ids=ids, **kwargs).logits
     shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
-    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1))
+    return torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1)
+    )

@@ -25,7 +25,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _mesh(u: int, layout: str = "zigzag", inner: int | None = None) -> SeqParMesh:
     world = dist.get_world_size()
     mesh = SeqParMesh.build(world, u, inner)
-    mesh.config = SequenceParallelConfig(size=world, ulysses_degree=u, ring={"layout": layout, "inner_size": inner})
+    mesh.config = SequenceParallelConfig(
+        size=world, ulysses_degree=u, ring={"layout": layout, "inner_size": inner}
+    )
     return mesh
 
 
@@ -41,14 +43,15 @@ def sp_vs_reference(kind: str, u: int, layout: str, batch: dict, model_overrides
     loss = sp(**shard)
     loss.backward()
     worst = 0.0
-    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+    for p, p_ref in zip(model.parameters(), ref.parameters()):
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
         dist.all_reduce(grad, group=mesh.group("sp"))  # SP ranks hold partial gradients of one sample group
         worst = max(worst, _rel(grad, p_ref.grad))
     return {
         "loss_err": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
         "grad_rel_err": worst,
-        "finite": bool(torch.isfinite(loss)) and all(torch.isfinite(p.grad).all() for p in model.parameters()),
+        "finite": bool(torch.isfinite(loss))
+        and all(torch.isfinite(p.grad).all() for p in model.parameters()),
     }
 
 
@@ -175,7 +178,7 @@ def deepspeed_ab(kind: str, sp: int, u: int, stage: int, steps: int, seq_len: in
         engine.backward(loss)
         if step == 0:
             worst = 0.0
-            for (name, p), p_ref in zip(engine.module.model.named_parameters(), ref.parameters()):
+            for p, p_ref in zip(engine.module.model.parameters(), ref.parameters()):
                 grad = deepspeed.utils.safe_get_full_grad(p)
                 worst = max(worst, _rel(grad, p_ref.grad))
             grad_err = worst
