@@ -15,7 +15,7 @@ Public API (more arrives with the attention, data and engine modules):
 from ds_seqpar.comm.stats import CommRegion, CommStats
 from ds_seqpar.config import SeqParConfigError, SequenceParallelConfig, load_config, parse_section
 from ds_seqpar.data import SeqParCollator, seqpar_dataloader, shard_batch
-from ds_seqpar.integrations.deepspeed import initialize, install_deepspeed_guard
+from ds_seqpar.integrations.deepspeed import initialize, install_deepspeed_guard, sequence_parallel_scope
 from ds_seqpar.integrations.transformers import (
     SeqParCausalLM,
     disable_sequence_parallel,
@@ -39,6 +39,7 @@ __all__ = [
     "SeqParCollator",
     "SeqParConfigError",
     "SeqParMesh",
+    "SeqParTrainer",
     "SequenceParallelConfig",
     "__version__",
     "attention",
@@ -50,6 +51,16 @@ __all__ = [
     "parse_section",
     "plan_mesh",
     "seqpar_dataloader",
+    "sequence_parallel_scope",
     "shard_batch",
     "sp_causal_lm_loss",
 ]
+
+
+def __getattr__(name: str):
+    """``ds_seqpar.SeqParTrainer`` is imported on first use (transformers.Trainer is a heavy import)."""
+    if name == "SeqParTrainer":
+        from ds_seqpar.integrations.trainer import SeqParTrainer
+
+        return SeqParTrainer
+    raise AttributeError(f"module 'ds_seqpar' has no attribute {name!r}")

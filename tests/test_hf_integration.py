@@ -208,3 +208,73 @@ def test_deepspeed_training_matches_non_sp(dist_pool, kind, sp, u, stage):
     for rep in per_rank:
         assert max(rep["loss_errs"]) <= 1e-5, rep
         assert rep["grad_err"] <= 1e-5, rep
+
+
+# --------------------------------------------------------------------------------------------
+# HF Trainer: SeqParTrainer (dp=1, sp=4, U=2 x R=2) vs a plain Trainer in one process
+
+
+class _Samples(torch.utils.data.Dataset):
+    def __init__(self, n: int, seq_len: int) -> None:
+        self.items = [b["input_ids"][0] for b in batches(n, 1, seq_len, seed=9)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.items[i], "labels": self.items[i]}
+
+
+def trainer_losses(use_sp: bool, out_dir: str, steps: int) -> list[float]:
+    from transformers import Trainer, TrainingArguments
+
+    common = dict(
+        output_dir=out_dir,
+        per_device_train_batch_size=1,
+        max_steps=steps,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        dataloader_drop_last=True,
+    )
+    model = tiny_model("llama")
+    data = _Samples(steps, 64)
+    if use_sp:
+        config = _ds_config(4, 2, 3)
+        config["gradient_clipping"] = 1.0
+        del config["zero_allow_untested_optimizer"]
+        args = TrainingArguments(deepspeed=config, max_grad_norm=1.0, **common)
+        trainer = ds_seqpar.SeqParTrainer(model=model, args=args, train_dataset=data)
+    else:
+        args = TrainingArguments(max_grad_norm=1.0, **common)
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_trainer_with_sp_matches_trainer_without(dist_pool, tmp_path):
+    reference = dist_pool(1).run(trainer_losses, False, str(tmp_path / "ref"), 5)[0]
+    with_sp = dist_pool(4).run(trainer_losses, True, str(tmp_path / "sp"), 5)
+    assert len(reference) == 5
+    for losses in with_sp:
+        assert len(losses) == 5
+        for a, b in zip(losses, reference):
+            assert abs(a - b) <= 1e-4 * abs(b), (losses, reference)
+
+
+def plain_deepspeed_with_section() -> str:
+    import deepspeed
+
+    try:
+        deepspeed.initialize(model=torch.nn.Linear(2, 2), config=_ds_config(2, 1, 1))
+    except ds_seqpar.SeqParConfigError as exc:
+        return str(exc)
+    return "trained without SP"
+
+
+def test_plain_deepspeed_initialize_refuses_the_section(dist_pool):
+    for message in dist_pool(2).run(plain_deepspeed_with_section):
+        assert "call ds_seqpar.initialize(model=..., config=...) instead" in message

@@ -15,16 +15,21 @@ lr_scheduler``). In order, before anything trains:
 A JSON optimizer of type Adam/AdamW on CPU gets ``"torch_adam": true`` unless the config says
 otherwise, because DeepSpeed's CPU Adam is a JIT-compiled op (minutes on a fresh machine).
 
-Importing this module also guards plain ``deepspeed.initialize``: a config that carries a
+``import ds_seqpar`` also guards plain ``deepspeed.initialize``: a config that carries a
 ``"sequence_parallel"`` section and reaches it directly fails with a message pointing here,
-instead of training silently without sequence parallelism.
+instead of training silently without sequence parallelism. Inside ``sequence_parallel_scope(mesh)``
+(what ``SeqParTrainer.train`` uses) calls made by others, e.g. accelerate for the HF Trainer, get the
+mesh's mpu and a config rewritten for it instead.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -111,19 +116,15 @@ def initialize(
     )
     if model_parameters is None and optimizer is None:
         model_parameters = wrapped.parameters()
-    ds_config[_GUARD_BYPASS] = True
-    try:
-        engine, opt, _, sched = deepspeed.initialize(
-            model=wrapped,
-            model_parameters=model_parameters,
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            config=ds_config,
-            mpu=mesh.mpu(),
-            **deepspeed_kwargs,
-        )
-    finally:
-        ds_config.pop(_GUARD_BYPASS, None)
+    engine, opt, _, sched = deepspeed.initialize(
+        model=wrapped,
+        model_parameters=model_parameters,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        config={**ds_config, _GUARD_BYPASS: True},
+        mpu=mesh.mpu(),
+        **deepspeed_kwargs,
+    )
     loader = None
     if training_data is not None:
         loader = seqpar_dataloader(
@@ -139,27 +140,67 @@ def initialize(
     return engine, opt, loader, sched
 
 
+# The mesh of a SeqParTrainer while it trains: set only inside ``sequence_parallel_scope`` so that
+# accelerate's own call of deepspeed.initialize (which takes no mpu) gets ours.
+_SCOPED_MESH: contextvars.ContextVar[SeqParMesh | None] = contextvars.ContextVar(
+    "ds_seqpar_mesh", default=None
+)
+
+
+@contextlib.contextmanager
+def sequence_parallel_scope(mesh: SeqParMesh) -> Iterator[None]:
+    """Inside this block, ``deepspeed.initialize`` calls made by others (accelerate, the HF Trainer) run
+    with ds_seqpar's mpu and a DeepSpeed config rewritten for the mesh (see ``_rewrite_for_mesh``)."""
+    token = _SCOPED_MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _SCOPED_MESH.reset(token)
+
+
+def _rewrite_for_mesh(config: dict[str, Any], mesh: SeqParMesh) -> dict[str, Any]:
+    """Drop the section, set ``sequence_parallel_size`` and a ``train_batch_size`` over dp (not world)."""
+    config = {k: v for k, v in config.items() if k not in (SECTION, _GUARD_BYPASS)}
+    config["sequence_parallel_size"] = mesh.sp_size
+    micro = config.get("train_micro_batch_size_per_gpu")
+    gas = config.get("gradient_accumulation_steps", 1)
+    if isinstance(micro, int) and isinstance(gas, int):
+        config["train_batch_size"] = micro * gas * mesh.dp_size
+    _avoid_jit_optimizer(config)
+    return config
+
+
+def _config_dict(config: Any) -> dict[str, Any] | None:
+    if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
+        with open(config, encoding="utf-8") as fh:
+            try:
+                return json.load(fh)
+            except ValueError:
+                return None
+    return config if isinstance(config, dict) else None
+
+
 def _guarded(initialize_fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(initialize_fn)
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        config = kwargs.get("config", kwargs.get("config_params"))
-        if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
-            import json
-
-            with open(config, encoding="utf-8") as fh:
-                try:
-                    config = json.load(fh)
-                except ValueError:
-                    config = None
-        if isinstance(config, dict):
-            if config.pop(_GUARD_BYPASS, False):
-                return initialize_fn(*args, **kwargs)
-            if SECTION in config:
-                raise SeqParConfigError(
-                    f"this DeepSpeed config has a '{SECTION}' section, which deepspeed.initialize ignores (it would "
-                    "train without sequence parallelism); call ds_seqpar.initialize(model=..., config=...) instead, "
-                    "or use ds_seqpar.SeqParTrainer with the HF Trainer"
-                )
+        key = "config" if kwargs.get("config") is not None else "config_params"
+        config = _config_dict(kwargs.get(key))
+        if config is None:
+            return initialize_fn(*args, **kwargs)
+        if config.get(_GUARD_BYPASS):
+            kwargs[key] = {k: v for k, v in config.items() if k != _GUARD_BYPASS}
+            return initialize_fn(*args, **kwargs)
+        mesh = _SCOPED_MESH.get()
+        if mesh is not None:
+            kwargs[key] = _rewrite_for_mesh(config, mesh)
+            kwargs["mpu"] = mesh.mpu()
+            return initialize_fn(*args, **kwargs)
+        if SECTION in config:
+            raise SeqParConfigError(
+                f"this DeepSpeed config has a '{SECTION}' section, which deepspeed.initialize ignores (it would "
+                "train without sequence parallelism); call ds_seqpar.initialize(model=..., config=...) instead, "
+                "or use ds_seqpar.SeqParTrainer with the HF Trainer"
+            )
         return initialize_fn(*args, **kwargs)
 
     guarded._ds_seqpar_guard = True
