@@ -278,3 +278,25 @@ def plain_deepspeed_with_section() -> str:
 def test_plain_deepspeed_initialize_refuses_the_section(dist_pool):
     for message in dist_pool(2).run(plain_deepspeed_with_section):
         assert "call ds_seqpar.initialize(model=..., config=...) instead" in message
+
+
+def unroutable_model_error() -> str:
+    """A model whose second layer computes attention without the interface must be refused."""
+    mesh = _mesh(1)
+    model = tiny_model("llama")
+    layer = model.model.layers[1].self_attn
+    layer.forward = lambda hidden_states, *a, **k: (hidden_states, None)  # bypasses the interface
+    lm = SeqParCausalLM(model, mesh)
+    try:
+        lm(**shard_batch(batches(1, 1, 16)[0], mesh))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_model_that_bypasses_the_attention_interface_is_named(dist_pool):
+    message = dist_pool(1).run(unroutable_model_error)[0]
+    assert (
+        "LlamaForCausalLM (original attn_implementation='sdpa') called the ds_seqpar attention 1 times for 2 layers"
+        in message
+    )
