@@ -5,7 +5,8 @@ before the exchange, B = batch, D = head dim, H / H_kv = query / key-value heads
 
 ``seq_to_head``: ``[B, n, H, D]`` (all heads of n tokens) -> ``[B, U·n, h_u, D]`` (h_u heads of the
 U·n tokens of the whole group, concatenated in group-rank order). ``head_to_seq`` is its inverse,
-and each is the other's backward. Head counts need not divide U: rank u gets ``counts[u]`` heads
+and each is the other's backward. Both take several tensors at once and move them in ONE
+``all_to_all_single`` (q, k and v of a layer: one call forward, one backward). Head counts need not divide U: rank u gets ``counts[u]`` heads
 (uneven ``all_to_all_single`` split sizes), so the only hard limit is U <= H.
 
 GQA (``HeadPlan``): rank u's query heads are a contiguous range; the K/V heads it needs are the
@@ -91,90 +92,134 @@ class HeadPlan:
         )
 
 
+# Several tensors (q, k, v) travel in ONE all_to_all_single: the chunk for rank u is the
+# concatenation, along the head dim, of every tensor's heads for rank u.
+Counts = tuple[tuple[int, ...], ...]  # per tensor: heads per group rank
+
+
 class _SeqToHead(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, counts: tuple[int, ...], group: Any, me: int, stats: CommStats | None
-    ):
-        ctx.counts, ctx.group, ctx.me, ctx.stats = counts, group, me, stats
-        return _seq_to_head(x, counts, group, me, stats)
+    def forward(ctx: Any, counts: Counts, group: Any, me: int, stats: CommStats | None, *xs: torch.Tensor):
+        ctx.args = (counts, group, me, stats)
+        return tuple(_seq_to_head(list(xs), counts, group, me, stats))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        return _head_to_seq(grad, ctx.counts, ctx.group, ctx.me, ctx.stats), None, None, None, None
+    def backward(ctx: Any, *grads: torch.Tensor):
+        return (None, None, None, None, *_head_to_seq(list(grads), *ctx.args))
 
 
 class _HeadToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx: Any, y: torch.Tensor, counts: tuple[int, ...], group: Any, me: int, stats: CommStats | None
-    ):
-        ctx.counts, ctx.group, ctx.me, ctx.stats = counts, group, me, stats
-        return _head_to_seq(y, counts, group, me, stats)
+    def forward(ctx: Any, counts: Counts, group: Any, me: int, stats: CommStats | None, *ys: torch.Tensor):
+        ctx.args = (counts, group, me, stats)
+        return tuple(_head_to_seq(list(ys), counts, group, me, stats))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        return _seq_to_head(grad, ctx.counts, ctx.group, ctx.me, ctx.stats), None, None, None, None
-
-
-def _record(stats: CommStats | None, sent_elements: int, element_size: int) -> None:
-    if stats is not None:
-        stats.record("all_to_all", sent_elements * element_size)
+    def backward(ctx: Any, *grads: torch.Tensor):
+        return (None, None, None, None, *_seq_to_head(list(grads), *ctx.args))
 
 
 def _seq_to_head(
-    x: torch.Tensor, counts: Sequence[int], group: Any, me: int, stats: CommStats | None
-) -> torch.Tensor:
-    """``[B, n, H, D]`` -> ``[B, U·n, counts[me], D]``."""
-    b, n, h, d = x.shape
-    degree = len(counts)
+    xs: list[torch.Tensor], counts: Counts, group: Any, me: int, stats: CommStats | None
+) -> list[torch.Tensor]:
+    """Each ``[B, n, H_i, D]`` -> ``[B, U·n, counts[i][me], D]``, in one all-to-all."""
+    degree = len(counts[0])
     if degree == 1:
-        return x
-    send = x.permute(2, 0, 1, 3).contiguous()  # [H, B, n, D]: heads on dim 0, split by counts
-    recv = send.new_empty(degree * counts[me], b, n, d)
-    dist.all_to_all_single(recv, send, [counts[me]] * degree, list(counts), group=group)
-    _record(stats, (h - counts[me]) * b * n * d, x.element_size())
-    # [U, h_me, B, n, D] -> [B, U, n, h_me, D] -> [B, U·n, h_me, D]
-    return recv.view(degree, counts[me], b, n, d).permute(2, 0, 3, 1, 4).reshape(b, degree * n, counts[me], d)
+        return xs
+    b, n, _, d = xs[0].shape
+    heads_first = [x.permute(2, 0, 1, 3) for x in xs]  # [H_i, B, n, D]
+    starts = [[sum(c[:u]) for u in range(degree)] for c in counts]
+    send = torch.cat(
+        [hf[st[u] : st[u] + c[u]] for u in range(degree) for hf, c, st in zip(heads_first, counts, starts)]
+    )
+    to_rank = [sum(c[u] for c in counts) for u in range(degree)]
+    mine = to_rank[me]
+    recv = send.new_empty(degree * mine, b, n, d)
+    dist.all_to_all_single(recv, send, [mine] * degree, to_rank, group=group)
+    if stats is not None:
+        stats.record("all_to_all", (send.shape[0] - mine) * b * n * d * send.element_size())
+    recv = recv.view(degree, mine, b, n, d)
+    outs, offset = [], 0
+    for c in counts:
+        part = recv[:, offset : offset + c[me]]  # [U, c_me, B, n, D] -> [B, U·n, c_me, D]
+        outs.append(part.permute(2, 0, 3, 1, 4).reshape(b, degree * n, c[me], d))
+        offset += c[me]
+    return outs
 
 
 def _head_to_seq(
-    y: torch.Tensor, counts: Sequence[int], group: Any, me: int, stats: CommStats | None
-) -> torch.Tensor:
-    """``[B, U·n, counts[me], D]`` -> ``[B, n, H, D]``."""
-    degree = len(counts)
+    ys: list[torch.Tensor], counts: Counts, group: Any, me: int, stats: CommStats | None
+) -> list[torch.Tensor]:
+    """Each ``[B, U·n, counts[i][me], D]`` -> ``[B, n, H_i, D]``, in one all-to-all."""
+    degree = len(counts[0])
     if degree == 1:
-        return y
-    b, un, hm, d = y.shape
+        return ys
+    b, un, _, d = ys[0].shape
     n = un // degree
-    send = y.view(b, degree, n, hm, d).permute(1, 3, 0, 2, 4).contiguous()  # [U, h_me, B, n, D]
-    recv = send.new_empty(sum(counts), b, n, d)
-    dist.all_to_all_single(recv, send.view(degree * hm, b, n, d), list(counts), [hm] * degree, group=group)
-    _record(stats, (degree - 1) * hm * b * n * d, y.element_size())
-    return recv.permute(1, 2, 0, 3)  # [B, n, H, D]
+    # chunk for source rank u: every tensor's tokens of rank u, heads first: [U, sum_i c_me, B, n, D]
+    send = torch.cat([y.view(b, degree, n, y.shape[2], d).permute(1, 3, 0, 2, 4) for y in ys], dim=1)
+    mine = send.shape[1]
+    from_rank = [sum(c[u] for c in counts) for u in range(degree)]
+    recv = send.new_empty(sum(from_rank), b, n, d)
+    dist.all_to_all_single(
+        recv, send.reshape(degree * mine, b, n, d), from_rank, [mine] * degree, group=group
+    )
+    if stats is not None:
+        stats.record("all_to_all", (degree - 1) * mine * b * n * d * send.element_size())
+    # recv holds, per source rank u, [heads of tensor 0 | tensor 1 | ...] for rank u
+    pieces: list[list[torch.Tensor]] = [[] for _ in counts]
+    offset = 0
+    for u in range(degree):
+        for i, c in enumerate(counts):
+            pieces[i].append(recv[offset : offset + c[u]])
+            offset += c[u]
+    return [torch.cat(p).permute(1, 2, 0, 3) for p in pieces]  # [H_i, B, n, D] -> [B, n, H_i, D]
 
 
 def seq_to_head(
-    x: torch.Tensor, counts: Sequence[int], group: Any, me: int, stats: CommStats | None = None
-) -> torch.Tensor:
-    """All-to-all ``[B, n, H, D]`` -> ``[B, U·n, counts[me], D]`` over ``group`` (differentiable).
+    xs: Sequence[torch.Tensor],
+    counts: Sequence[Sequence[int]],
+    group: Any,
+    me: int,
+    stats: CommStats | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """All-to-all over ``group``: each ``[B, n, H_i, D]`` -> ``[B, U·n, counts[i][me], D]`` (differentiable).
+
+    All tensors travel in one collective (q, k and v of a layer cost one call, not three).
 
     Args:
-        x: this rank's n tokens with all H = sum(counts) heads.
-        counts: heads per group rank after the exchange.
+        xs: this rank's n tokens of each tensor, all heads (same B, n, D, dtype).
+        counts: per tensor, heads per group rank after the exchange (sum = H_i).
         group: the Ulysses process group; me: this rank's index in it.
     """
-    if x.dim() != 4 or x.shape[2] != sum(counts):
-        raise ValueError(f"seq_to_head takes [B, n, H, D] with H = {sum(counts)} heads; got {tuple(x.shape)}")
-    return _SeqToHead.apply(x, tuple(counts), group, me, stats)
+    counts_t = tuple(tuple(c) for c in counts)
+    for x, c in zip(xs, counts_t, strict=True):
+        if (
+            x.dim() != 4
+            or x.shape[2] != sum(c)
+            or x.shape[:2] != xs[0].shape[:2]
+            or x.shape[3] != xs[0].shape[3]
+        ):
+            raise ValueError(
+                f"seq_to_head takes [B, n, H, D] tensors sharing B, n, D, with H = {sum(c)} heads here; "
+                f"got {tuple(x.shape)}"
+            )
+    return _SeqToHead.apply(counts_t, group, me, stats, *xs)
 
 
 def head_to_seq(
-    y: torch.Tensor, counts: Sequence[int], group: Any, me: int, stats: CommStats | None = None
-) -> torch.Tensor:
-    """Inverse of :func:`seq_to_head`: ``[B, U·n, counts[me], D]`` -> ``[B, n, H, D]`` (differentiable)."""
-    if y.dim() != 4 or y.shape[2] != counts[me] or y.shape[1] % len(counts) != 0:
-        raise ValueError(
-            f"head_to_seq takes [B, U·n, {counts[me]}, D] with U·n divisible by U={len(counts)}; got {tuple(y.shape)}"
-        )
-    return _HeadToSeq.apply(y, tuple(counts), group, me, stats)
+    ys: Sequence[torch.Tensor],
+    counts: Sequence[Sequence[int]],
+    group: Any,
+    me: int,
+    stats: CommStats | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Inverse of :func:`seq_to_head`: each ``[B, U·n, counts[i][me], D]`` -> ``[B, n, H_i, D]``."""
+    counts_t = tuple(tuple(c) for c in counts)
+    degree = len(counts_t[0])
+    for y, c in zip(ys, counts_t, strict=True):
+        if y.dim() != 4 or y.shape[2] != c[me] or y.shape[1] % degree != 0:
+            raise ValueError(
+                f"head_to_seq takes [B, U·n, {c[me]}, D] with U·n divisible by U={degree}; got {tuple(y.shape)}"
+            )
+    return _HeadToSeq.apply(counts_t, group, me, stats, *ys)

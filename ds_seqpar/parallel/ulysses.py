@@ -25,18 +25,18 @@ from ds_seqpar.mesh import SeqParMesh
 def scatter_heads(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: HeadPlan, mesh: SeqParMesh
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``[B, n, H|H_kv, D]`` -> ``[B, U·n, h_u|k_u, D]`` for q, k, v (differentiable)."""
+    """``[B, n, H|H_kv, D]`` -> ``[B, U·n, h_u|k_u, D]`` for q, k, v in one all-to-all (differentiable)."""
     group, me, stats = mesh.group("ulysses"), mesh.coords.ulysses_rank, mesh.comm_stats
     if heads.kv_index is not None:
         index = torch.tensor(heads.kv_index, device=k.device)
         k, v = k.index_select(2, index), v.index_select(2, index)
-    return (
-        seq_to_head(q, heads.q_counts, group, me, stats),
-        seq_to_head(k, heads.kv_counts, group, me, stats),
-        seq_to_head(v, heads.kv_counts, group, me, stats),
-    )
+    q2, k2, v2 = seq_to_head((q, k, v), (heads.q_counts, heads.kv_counts, heads.kv_counts), group, me, stats)
+    return q2, k2, v2
 
 
 def gather_heads(out: torch.Tensor, heads: HeadPlan, mesh: SeqParMesh) -> torch.Tensor:
     """``[B, U·n, h_u, D]`` -> ``[B, n, H, D]`` (differentiable)."""
-    return head_to_seq(out, heads.q_counts, mesh.group("ulysses"), mesh.coords.ulysses_rank, mesh.comm_stats)
+    (full,) = head_to_seq(
+        (out,), (heads.q_counts,), mesh.group("ulysses"), mesh.coords.ulysses_rank, mesh.comm_stats
+    )
+    return full
