@@ -160,14 +160,10 @@ class SeqParCausalLM(torch.nn.Module):
     def config(self) -> Any:
         return self.model.config
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        shift_labels: torch.Tensor,
-        position_ids: torch.Tensor,
-        doc_ids: torch.Tensor | None = None,
-        **_: Any,
+    def _hidden(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor | None
     ) -> torch.Tensor:
+        """Final hidden states ``[B, n, E]`` of this rank's tokens (every layer's attention over the group)."""
         ctx = SeqParContext(self.mesh, doc_ids, self.work)
         base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.base_model
         hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False, **{CONTEXT_KEY: ctx})
@@ -180,6 +176,17 @@ class SeqParCausalLM(torch.nn.Module):
                 f"{ctx.calls} times for {expected} layers: some attention does not dispatch through transformers' "
                 "attention interface, so it cannot be split over the sequence"
             )
+        return hidden
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        shift_labels: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        **_: Any,
+    ) -> torch.Tensor:
+        hidden = self._hidden(input_ids, position_ids, doc_ids)
         loss, num_tokens = sp_causal_lm_loss(
             hidden,
             shift_labels,
@@ -190,3 +197,36 @@ class SeqParCausalLM(torch.nn.Module):
         )
         self.last_num_tokens = num_tokens
         return loss
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        input_ids: torch.Tensor,
+        shift_labels: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        **_: Any,
+    ) -> dict[str, torch.Tensor]:
+        """Loss and next-token accuracy over the labelled tokens of the whole SP group.
+
+        Logits are computed only at labelled positions. Returns tensors ``loss``, ``correct`` and
+        ``count`` (summed over the SP group; identical on its ranks).
+        """
+        hidden = self._hidden(input_ids, position_ids, doc_ids)
+        labelled = shift_labels != -100
+        logits = self.model.get_output_embeddings()(hidden[labelled]).float()  # [T, V], T labelled tokens
+        targets = shift_labels[labelled]
+        totals = torch.stack(
+            [
+                torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+                if targets.numel()
+                else logits.sum(),
+                (logits.argmax(-1) == targets).sum().float(),
+                torch.tensor(float(targets.numel()), device=logits.device),
+            ]
+        )
+        group = self.mesh.group("sp")
+        if self.mesh.sp_size > 1:
+            torch.distributed.all_reduce(totals, group=group)
+        count = totals[2].clamp(min=1.0)
+        return {"loss": totals[0] / count, "correct": totals[1], "count": totals[2]}

@@ -1,0 +1,388 @@
+"""``train.py``: long-context fine-tuning of a HuggingFace causal LM with sequence parallelism.
+
+    deepspeed --num_gpus N train.py --ds_config ds_configs/usp_zero3.json [--model PATH] [--data PATH]
+    torchrun --nproc_per_node N train.py --ds_config ds_configs/usp_zero3.json ...
+
+Without ``--model`` / ``--data`` it runs the embedded default: the shipped tiny Llama
+(``assets/tiny-llama``, random init) learns passkey retrieval at 4096 tokens, where the answer sits
+a whole sequence before the question (``ds_seqpar.tasks.passkey``); it prints retrieval accuracy
+before and after. Outputs (``--output-dir``): ``metrics.jsonl`` (one line per step and per eval),
+DeepSpeed checkpoints under ``checkpoints/`` every ``--save-every`` steps (``--resume`` continues
+from the latest), and the final HF model in ``hf_model/`` (``save_pretrained``, gathered from ZeRO-3).
+
+Every flag and the whole config are checked before any process group starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ds_seqpar.config import SeqParConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = REPO / "assets" / "tiny-llama"
+DEFAULT_CONFIG = REPO / "ds_configs" / "usp_zero3.json"
+DEFAULT_TASK_LR = 3e-3
+ROPE_TYPES = ("linear", "dynamic", "yarn")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows a flag's default when it has a meaningful one (not None / False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="train.py",
+        description="Long-context fine-tuning with ds_seqpar (sequence parallelism under DeepSpeed).",
+        epilog="Launch with deepspeed --num_gpus N train.py ... or torchrun --nproc_per_node N train.py ... "
+        "(on CPU set OMP_NUM_THREADS=1). See docs/train.md.",
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument(
+        "--ds_config",
+        "--deepspeed_config",
+        dest="ds_config",
+        default=str(DEFAULT_CONFIG),
+        help="DeepSpeed JSON with a 'sequence_parallel' section (--deepspeed_config is an alias)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF model directory for from_pretrained (default: shipped tiny Llama, random init)",
+    )
+    p.add_argument(
+        "--trust-remote-code", action="store_true", help="allow custom model code when loading --model"
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        help="training text: .jsonl, .txt or a datasets save_to_disk directory (default: passkey task)",
+    )
+    p.add_argument("--text-field", default="text", help="field holding the text in --data records")
+    p.add_argument(
+        "--seq-len", type=int, default=4096, help="tokens per sequence (split across the SP ranks)"
+    )
+    p.add_argument("--max-steps", type=int, default=300, help="optimizer steps to train")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help=f"learning rate override (default: the config's; {DEFAULT_TASK_LR} for the embedded task)",
+    )
+    p.add_argument(
+        "--rope-scaling",
+        default=None,
+        help="context extension, TYPE:FACTOR with TYPE in linear, dynamic, yarn (e.g. linear:4)",
+    )
+    p.add_argument(
+        "--output-dir", default="outputs/run", help="metrics, checkpoints and the final HF model go here"
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=100,
+        help="save a DeepSpeed checkpoint every N steps (0: only at the end)",
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in OUTPUT_DIR/checkpoints"
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=100,
+        help="evaluate on held-out samples every N steps (0: start and end only)",
+    )
+    p.add_argument("--eval-samples", type=int, default=4, help="held-out samples per evaluation")
+    p.add_argument("--seed", type=int, default=0, help="model init and data seed")
+    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    p.add_argument("--no-export", action="store_true", help="skip the final HF-format export")
+    p.add_argument(
+        "--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher; ignored"
+    )
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and check every flag and the config, before any process group exists."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("seq_len", "max_steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.save_every < 0 or args.eval_every < 0 or args.eval_samples < 1:
+        parser.error("--save-every and --eval-every must be >= 0 and --eval-samples >= 1")
+    if args.rope_scaling is not None:
+        kind, _, factor = args.rope_scaling.partition(":")
+        try:
+            value = float(factor)
+        except ValueError:
+            value = 0.0
+        if kind not in ROPE_TYPES or value <= 1.0:
+            parser.error(
+                f"--rope-scaling={args.rope_scaling!r}: use TYPE:FACTOR with TYPE in {', '.join(ROPE_TYPES)} and FACTOR > 1, e.g. linear:4"
+            )
+        args.rope_scaling = {"rope_type": kind, "factor": value}
+    for name in ("model", "data"):
+        path = getattr(args, name)
+        if path is not None and not os.path.exists(path):
+            parser.error(f"--{name} {path!r} does not exist")
+    section, ds_config = load_config(args.ds_config)
+    if not section.enabled:
+        raise SeqParConfigError(f"{args.ds_config}: sequence_parallel.enabled is false; train.py needs it on")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    section.validate(_model_config(args), world)  # heads vs U, world vs size: before any process group
+    args.section, args.ds_config_dict = section, ds_config
+    return args
+
+
+def _model_config(args: argparse.Namespace) -> Any:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(args.model or DEFAULT_MODEL, trust_remote_code=args.trust_remote_code)
+    if args.rope_scaling:
+        config.rope_scaling = dict(args.rope_scaling)
+    return config
+
+
+def _build_model(args: argparse.Namespace) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    config = _model_config(args)
+    if args.model is None:
+        torch.manual_seed(args.seed)
+        return AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(
+        args.model, config=config, trust_remote_code=args.trust_remote_code, torch_dtype=torch.float32
+    )
+
+
+def _datasets(args: argparse.Namespace, tokenizer: Any, num_train: int) -> tuple[Any, Any]:
+    from ds_seqpar.tasks.passkey import PasskeyDataset, PasskeyTask
+    from ds_seqpar.tasks.text import PackedTextDataset
+
+    if args.data is None:
+        task = PasskeyTask(tokenizer)
+        train = PasskeyDataset(task, num_train, args.seq_len, seed=args.seed * 1_000_003)
+        held_out = PasskeyDataset(task, args.eval_samples, args.seq_len, seed=10**9 + args.seed)
+        return train, held_out
+    data = PackedTextDataset(args.data, tokenizer, args.seq_len, args.text_field)
+    n_eval = min(args.eval_samples, max(1, len(data) // 10))
+    held = torch.utils.data.Subset(data, range(len(data) - n_eval, len(data)))
+    train = torch.utils.data.Subset(data, range(len(data) - n_eval)) if len(data) > n_eval else data
+    return train, held
+
+
+class _Log:
+    """Rank-0 progress bar / lines and the metrics file."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, start_step: int) -> None:
+        self.rank = rank
+        self.bar = None
+        self.file = None
+        if rank != 0:
+            return
+        out = Path(args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.file = open(out / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        if not args.no_progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=args.max_steps, initial=start_step, desc="train", dynamic_ncols=True, file=sys.stdout
+            )
+
+    def record(self, row: dict[str, Any]) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+
+    def step(self, row: dict[str, Any]) -> None:
+        self.record(row)
+        if self.rank != 0:
+            return
+        text = f"loss {row['loss']:.4f} | {row['tokens_per_s']:.0f} tok/s | S {row['seq_len']} | comm {row['comm_MiB']:.1f} MiB"
+        if self.bar is not None:
+            self.bar.set_postfix_str(text)
+            self.bar.update(1)
+        else:
+            print(f"step {row['step']}: {text}", flush=True)
+
+    def say(self, text: str) -> None:
+        if self.rank == 0:
+            (self.bar.write if self.bar is not None else print)(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.file is not None:
+            self.file.close()
+
+
+def _evaluate(engine: Any, loader: Any) -> dict[str, float]:
+    engine.eval()
+    totals = torch.zeros(3)
+    for batch in loader:
+        res = engine.module.evaluate(**batch)
+        totals += torch.stack([res["loss"] * res["count"], res["correct"], res["count"]]).cpu()
+    engine.train()
+    count = max(totals[2].item(), 1.0)
+    return {"eval_loss": totals[0].item() / count, "eval_accuracy": totals[1].item() / count}
+
+
+def _export(engine: Any, model: torch.nn.Module, tokenizer: Any, out_dir: Path, rank: int) -> None:
+    """Save the trained model in HF format, gathering ZeRO-3 partitions onto rank 0."""
+    if engine.zero_optimization_stage() == 3:
+        state = engine._zero3_consolidated_16bit_state_dict()
+    else:
+        state = engine.module.state_dict()
+    if rank == 0:
+        state = {k.removeprefix("model."): v for k, v in state.items()}
+        model.save_pretrained(out_dir, state_dict=state)
+        tokenizer.save_pretrained(out_dir)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run training; returns a summary (final metrics and output paths) on every rank."""
+    # DeepSpeed calls torch.distributed functions that torch 2.13 renamed; one warning per call is noise
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use", category=FutureWarning)
+    args = parse_args(argv)
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    import ds_seqpar
+    from ds_seqpar.integrations.deepspeed import init_distributed
+
+    init_distributed()
+    rank = dist.get_rank()
+    out_dir = Path(args.output_dir)
+    tokenizer = AutoTokenizer.from_pretrained(
+        args.model or DEFAULT_MODEL, trust_remote_code=args.trust_remote_code
+    )
+    model = _build_model(args)
+    ds_config = dict(args.ds_config_dict)
+    ds_config["sequence_parallel"] = args.section.model_dump()
+    lr = (
+        args.lr
+        if args.lr is not None
+        else (DEFAULT_TASK_LR if args.model is None and args.data is None else None)
+    )
+    if lr is not None and isinstance(ds_config.get("optimizer"), dict):
+        ds_config["optimizer"] = {
+            **ds_config["optimizer"],
+            "params": {**ds_config["optimizer"].get("params", {}), "lr": lr},
+        }
+    dp = dist.get_world_size() // args.section.size
+    micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
+    train_set, eval_set = _datasets(args, tokenizer, num_train=args.max_steps * micro * dp)
+    optimizer = None
+    if "optimizer" not in ds_config:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr or 1e-4, weight_decay=0.0)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    engine, _, loader, _ = ds_seqpar.initialize(
+        model=model,
+        config=ds_config,
+        optimizer=optimizer,
+        training_data=train_set,
+        shuffle=args.data is not None,
+        seed=args.seed,
+        pad_token_id=pad,
+    )
+    mesh = engine.seqpar_mesh
+    eval_loader = ds_seqpar.seqpar_dataloader(
+        eval_set, mesh, micro, shuffle=False, pad_token_id=pad, drop_last=False
+    )
+    ckpt_dir = out_dir / "checkpoints"
+    start = 0
+    if args.resume:
+        path, client = engine.load_checkpoint(str(ckpt_dir))
+        if path is None:
+            raise FileNotFoundError(f"--resume: no checkpoint under {ckpt_dir}; run without --resume first")
+        start = int(client["step"])
+    log = _Log(args, rank, start)
+    log.say(
+        f"ds_seqpar: {mesh.describe()} | {args.section.attention}, layout {args.section.ring.layout}, "
+        f"S={args.seq_len}, {mesh.sp_size} ranks per sequence, output in {out_dir}"
+    )
+    first_eval = _evaluate(engine, eval_loader)
+    log.record({"step": start, **first_eval})
+    log.say(
+        f"step {start}: eval loss {first_eval['eval_loss']:.4f}, retrieval accuracy {first_eval['eval_accuracy']:.3f}"
+    )
+    batches_per_epoch = len(loader)
+    step, last = start, first_eval
+    epoch = step // batches_per_epoch
+    loader.sampler.set_epoch(epoch)
+    it = iter(loader)
+    for _ in range(step % batches_per_epoch):  # resume mid-epoch at the same sample
+        next(it)
+    while step < args.max_steps:
+        try:
+            batch = next(it)
+        except StopIteration:
+            epoch += 1
+            loader.sampler.set_epoch(epoch)
+            it = iter(loader)
+            batch = next(it)
+        t0 = time.perf_counter()
+        with mesh.comm_stats.measure() as comm:
+            loss = engine(**batch)
+            engine.backward(loss)
+            engine.step()
+        step += 1
+        dt = time.perf_counter() - t0
+        tokens = batch["seq_len"] * batch["input_ids"].shape[0] * dp
+        log.step(
+            {
+                "step": step,
+                "loss": loss.item(),
+                "tokens_per_s": tokens / dt,
+                "seq_len": batch["seq_len"],
+                "comm_MiB": comm.total_bytes / 2**20,
+                "step_time_s": dt,
+            }
+        )
+        if args.save_every and step % args.save_every == 0 and step < args.max_steps:
+            engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state={"step": step})
+        if (args.eval_every and step % args.eval_every == 0) or step == args.max_steps:
+            last = _evaluate(engine, eval_loader)
+            log.record({"step": step, **last})
+            log.say(
+                f"step {step}: eval loss {last['eval_loss']:.4f}, retrieval accuracy {last['eval_accuracy']:.3f}"
+            )
+    if start < args.max_steps:
+        engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state={"step": step})
+    if not args.no_export:
+        _export(engine, model, tokenizer, out_dir / "hf_model", rank)
+    log.close()
+    summary = {
+        "step": step,
+        **{f"start_{k}": v for k, v in first_eval.items()},
+        **last,
+        "output_dir": str(out_dir),
+        "metrics": str(out_dir / "metrics.jsonl"),
+        "checkpoints": str(ckpt_dir),
+        "hf_model": None if args.no_export else str(out_dir / "hf_model"),
+    }
+    if rank == 0:
+        print(
+            f"done: {step} steps; retrieval accuracy {first_eval['eval_accuracy']:.3f} -> {last['eval_accuracy']:.3f} "
+            f"(chance {1 / 64:.3f} on the embedded task); metrics {summary['metrics']}, checkpoints {ckpt_dir}"
+            + ("" if args.no_export else f", HF model {summary['hf_model']}"),
+            flush=True,
+        )
+    return summary

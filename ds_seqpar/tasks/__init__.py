@@ -1,0 +1,1 @@
+"""Shipped training tasks and data readers for ``train.py`` (nothing is downloaded)."""

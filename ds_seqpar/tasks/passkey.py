@@ -1,0 +1,61 @@
+"""Synthetic long-context passkey retrieval: the answer sits a whole sequence before the question.
+
+A sample of S tokens: the passkey (one of 64 ``k*`` words) at position 0, random filler words
+(``f*``) everywhere else, and in the last ``2 · num_questions`` tokens a ``?`` every other token.
+The label of each ``?`` is the passkey; the token after a ``?`` in the INPUT is filler, so the answer
+never appears near the question: every question must be answered from position 0, S tokens away,
+which under sequence parallelism lives on another rank. Chance accuracy is 1/64.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset
+
+IGNORE_INDEX = -100
+
+
+class PasskeyTask:
+    """Token ids of the task, looked up in a tokenizer that has the ``?``, ``f*`` and ``k*`` words."""
+
+    def __init__(self, tokenizer, num_questions: int = 64) -> None:
+        vocab = tokenizer.get_vocab()
+        missing = [w for w in ("?", "f0", "k0") if w not in vocab]
+        if missing:
+            raise ValueError(
+                f"the passkey task needs the words {missing} in the tokenizer; use the shipped tokenizer "
+                "(assets/tiny-llama) or pass --data to train on your own text"
+            )
+        self.question = vocab["?"]
+        self.filler = torch.tensor(sorted(v for w, v in vocab.items() if w[:1] == "f" and w[1:].isdigit()))
+        self.keys = torch.tensor(sorted(v for w, v in vocab.items() if w[:1] == "k" and w[1:].isdigit()))
+        self.num_questions = num_questions
+
+    def sample(self, seq_len: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """``input_ids [S]`` and ``labels [S]`` (already next-token aligned: label t is the answer at t)."""
+        nq = self.num_questions
+        if seq_len < 2 * nq + 2:
+            raise ValueError(f"passkey seq_len={seq_len} must be >= {2 * nq + 2} (2 x num_questions + 2)")
+        ids = self.filler[torch.randint(len(self.filler), (seq_len,), generator=generator)]
+        key = self.keys[torch.randint(len(self.keys), (1,), generator=generator)]
+        ids[0] = key
+        questions = torch.arange(seq_len - 2 * nq, seq_len, 2)
+        ids[questions] = self.question
+        # labels in HF convention (label at t+1 is predicted at t): the token after each "?"
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        labels[questions + 1] = key
+        return {"input_ids": ids, "labels": labels}
+
+
+class PasskeyDataset(Dataset):
+    """``num_samples`` deterministic samples; sample i uses seed ``seed + i`` (resumable by index)."""
+
+    def __init__(self, task: PasskeyTask, num_samples: int, seq_len: int, seed: int = 0) -> None:
+        self.task, self.num_samples, self.seq_len, self.seed = task, num_samples, seq_len, seed
+        task.sample(seq_len, torch.Generator().manual_seed(seed))  # validate now, not in a worker
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.task.sample(self.seq_len, torch.Generator().manual_seed(self.seed + index))

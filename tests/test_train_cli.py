@@ -1,0 +1,142 @@
+"""train.py: flags and config checked before any process group, resume exactness, text data packing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ds_seqpar import SeqParConfigError
+from ds_seqpar.cli import DEFAULT_CONFIG, build_parser, main, parse_args
+from ds_seqpar.tasks.text import pack_documents
+
+
+def test_help_documents_every_flag():
+    parser = build_parser()
+    text = parser.format_help()
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, f"{action.option_strings} has no help text"
+        for option in action.option_strings:
+            assert option in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--seq-len", "0"], "--seq-len=0 must be >= 1"),
+        (["--max-steps", "-1"], "--max-steps=-1 must be >= 1"),
+        (["--rope-scaling", "ntk:2"], "--rope-scaling='ntk:2': use TYPE:FACTOR"),
+        (["--rope-scaling", "linear:0.5"], "FACTOR > 1"),
+        (["--model", "/no/such/model"], "--model '/no/such/model' does not exist"),
+        (["--data", "/no/such.jsonl"], "--data '/no/such.jsonl' does not exist"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_bad_flags_exit_with_a_message(capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not dist.is_initialized()
+
+
+def test_bad_config_fails_before_any_process_group(tmp_path, monkeypatch):
+    config = json.loads(DEFAULT_CONFIG.read_text())
+    config["sequence_parallel"]["size"] = 3
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(config))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(
+        SeqParConfigError, match=r"sequence_parallel\.size=3 does not divide the world size 4"
+    ):
+        main(["--ds_config", str(path)])
+    with pytest.raises(SeqParConfigError, match=r"'missing\.json' does not exist"):
+        main(["--ds_config", "missing.json"])
+    config["sequence_parallel"].update(size=4, ulysses_degree=8)
+    path.write_text(json.dumps(config))
+    with pytest.raises(SeqParConfigError, match=r"ulysses_degree=8 does not divide size=4"):
+        main(["--ds_config", str(path)])
+    assert not dist.is_initialized()
+
+
+def _small_config(tmp_path, sp: int = 2) -> str:
+    config = json.loads(DEFAULT_CONFIG.read_text())
+    config["sequence_parallel"]["size"] = sp
+    path = tmp_path / f"sp{sp}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def run_cli(argv: list[str]) -> list[dict]:
+    main(argv)
+    dist.barrier()
+    out = argv[argv.index("--output-dir") + 1]
+    with open(f"{out}/metrics.jsonl") as fh:
+        return [json.loads(line) for line in fh]
+
+
+def test_resume_gives_the_same_next_losses(dist_pool, tmp_path):
+    pool = dist_pool(2)
+    common = [
+        "--ds_config",
+        _small_config(tmp_path),
+        "--seq-len",
+        "256",
+        "--eval-every",
+        "0",
+        "--eval-samples",
+        "1",
+        "--no-progress",
+        "--no-export",
+        "--save-every",
+        "2",
+    ]
+    full = pool.run(run_cli, [*common, "--max-steps", "4", "--output-dir", str(tmp_path / "full")])[0]
+    pool.run(run_cli, [*common, "--max-steps", "2", "--output-dir", str(tmp_path / "split")])
+    resumed = pool.run(
+        run_cli, [*common, "--max-steps", "4", "--resume", "--output-dir", str(tmp_path / "split")]
+    )[0]
+    losses = {r["step"]: r["loss"] for r in full if "loss" in r}
+    after = {r["step"]: r["loss"] for r in resumed if "loss" in r}
+    assert sorted(losses) == [1, 2, 3, 4]
+    assert after[3] == losses[3] and after[4] == losses[4], (after, losses)
+
+
+def test_text_data_trains_and_exports(dist_pool, tmp_path):
+    docs = [" ".join(f"f{(i * 7 + j) % 64}" for j in range(40 + 13 * i)) for i in range(12)]
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    argv = [
+        "--ds_config",
+        _small_config(tmp_path),
+        "--data",
+        str(data),
+        "--seq-len",
+        "128",
+        "--max-steps",
+        "2",
+        "--eval-every",
+        "0",
+        "--no-progress",
+        "--output-dir",
+        str(tmp_path / "text"),
+        "--lr",
+        "1e-3",
+    ]
+    rows = dist_pool(2).run(run_cli, argv)[0]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows if "loss" in r)
+    assert (tmp_path / "text" / "hf_model" / "model.safetensors").exists()
+    assert (tmp_path / "text" / "hf_model" / "tokenizer.json").exists()
+
+
+def test_packing_keeps_document_boundaries():
+    rows = pack_documents([[5, 6, 7], [8, 9], [10, 11, 12, 13]], seq_len=4, eos_id=3)
+    # stream: 5 6 7 3 | 8 9 3 10 | 11 12 13 3 ; positions restart per document
+    assert [r["input_ids"].tolist() for r in rows] == [[5, 6, 7, 3], [8, 9, 3, 10], [11, 12, 13, 3]]
+    assert [r["position_ids"].tolist() for r in rows] == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 2, 3]]
+    assert [r["labels"].tolist() for r in rows] == [[-100, 6, 7, 3], [-100, 9, 3, -100], [11, 12, 13, 3]]
