@@ -21,6 +21,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,9 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = REPO / "assets" / "tiny-llama"
 DEFAULT_CONFIG = REPO / "ds_configs" / "usp_zero3.json"
 DEFAULT_TASK_LR = 3e-3
+DEFAULT_CURRICULUM = "1024:400"
+PASSKEYS = 16
+PASSKEY_QUESTIONS = 64
 ROPE_TYPES = ("linear", "dynamic", "yarn")
 
 
@@ -77,7 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seq-len", type=int, default=4096, help="tokens per sequence (split across the SP ranks)"
     )
-    p.add_argument("--max-steps", type=int, default=300, help="optimizer steps to train")
+    p.add_argument("--max-steps", type=int, default=700, help="optimizer steps to train")
+    p.add_argument(
+        "--curriculum",
+        default=None,
+        help="train the first STEPS steps at SEQ tokens, then at --seq-len: SEQ:STEPS, or 'none' "
+        f"(embedded task default: {DEFAULT_CURRICULUM})",
+    )
     p.add_argument(
         "--lr",
         type=float,
@@ -107,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=100,
         help="evaluate on held-out samples every N steps (0: start and end only)",
     )
-    p.add_argument("--eval-samples", type=int, default=4, help="held-out samples per evaluation")
+    p.add_argument("--eval-samples", type=int, default=16, help="held-out samples per evaluation")
     p.add_argument("--seed", type=int, default=0, help="model init and data seed")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     p.add_argument("--no-export", action="store_true", help="skip the final HF-format export")
@@ -126,6 +136,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.save_every < 0 or args.eval_every < 0 or args.eval_samples < 1:
         parser.error("--save-every and --eval-every must be >= 0 and --eval-samples >= 1")
+    curriculum = args.curriculum or (
+        DEFAULT_CURRICULUM if args.model is None and args.data is None else "none"
+    )
+    if curriculum == "none":
+        args.phases = [(args.seq_len, args.max_steps)]
+    else:
+        seq, _, steps = curriculum.partition(":")
+        if not (seq.isdigit() and steps.isdigit() and int(seq) >= 1 and int(steps) >= 0):
+            parser.error(f"--curriculum={curriculum!r}: use SEQ:STEPS (e.g. 1024:400) or none")
+        short_steps = min(int(steps), args.max_steps)
+        args.phases = [(int(seq), short_steps), (args.seq_len, args.max_steps - short_steps)]
+    if args.data is None and min(seq for seq, _ in args.phases) < 2 * PASSKEY_QUESTIONS + 2:
+        parser.error(
+            f"the embedded passkey task needs sequences of at least {2 * PASSKEY_QUESTIONS + 2} tokens "
+            f"(--seq-len / --curriculum); got {[seq for seq, _ in args.phases]}"
+        )
     if args.rope_scaling is not None:
         kind, _, factor = args.rope_scaling.partition(":")
         try:
@@ -165,26 +191,45 @@ def _build_model(args: argparse.Namespace) -> torch.nn.Module:
     config = _model_config(args)
     if args.model is None:
         torch.manual_seed(args.seed)
-        return AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return AutoModelForCausalLM.from_pretrained(
-        args.model, config=config, trust_remote_code=args.trust_remote_code, torch_dtype=torch.float32
+        args.model, config=config, trust_remote_code=args.trust_remote_code, dtype=torch.float32
     )
 
 
-def _datasets(args: argparse.Namespace, tokenizer: Any, num_train: int) -> tuple[Any, Any]:
+def _datasets(args: argparse.Namespace, tokenizer: Any, num_train: int) -> tuple[list[Any], Any]:
+    """One training dataset per curriculum phase, and the held-out set (at ``--seq-len``)."""
     from ds_seqpar.tasks.passkey import PasskeyDataset, PasskeyTask
     from ds_seqpar.tasks.text import PackedTextDataset
 
     if args.data is None:
-        task = PasskeyTask(tokenizer)
-        train = PasskeyDataset(task, num_train, args.seq_len, seed=args.seed * 1_000_003)
-        held_out = PasskeyDataset(task, args.eval_samples, args.seq_len, seed=10**9 + args.seed)
-        return train, held_out
-    data = PackedTextDataset(args.data, tokenizer, args.seq_len, args.text_field)
-    n_eval = min(args.eval_samples, max(1, len(data) // 10))
-    held = torch.utils.data.Subset(data, range(len(data) - n_eval, len(data)))
-    train = torch.utils.data.Subset(data, range(len(data) - n_eval)) if len(data) > n_eval else data
+        task = PasskeyTask(tokenizer, num_questions=PASSKEY_QUESTIONS, num_keys=PASSKEYS)
+        train = [
+            PasskeyDataset(task, num_train, seq_len, seed=args.seed * 1_000_003 + 7919 * i)
+            for i, (seq_len, _) in enumerate(args.phases)
+        ]
+        return train, PasskeyDataset(task, args.eval_samples, args.seq_len, seed=10**9 + args.seed)
+    train, held = [], None
+    for seq_len, _ in args.phases:
+        data = PackedTextDataset(args.data, tokenizer, seq_len, args.text_field)
+        n_eval = min(args.eval_samples, max(1, len(data) // 10))
+        train.append(torch.utils.data.Subset(data, range(len(data) - n_eval)) if len(data) > n_eval else data)
+        if seq_len == args.seq_len:
+            held = torch.utils.data.Subset(data, range(len(data) - n_eval, len(data)))
     return train, held
+
+
+def _batches(loader: Any, skip: int) -> Iterator[dict[str, Any]]:
+    """Endless batches of ``loader`` (one epoch after another), the first ``skip`` ones dropped (resume)."""
+    epoch, index = divmod(skip, len(loader))
+    while True:
+        loader.sampler.set_epoch(epoch)
+        for batch in loader:
+            if index:
+                index -= 1
+                continue
+            yield batch
+        epoch += 1
 
 
 class _Log:
@@ -288,24 +333,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         }
     dp = dist.get_world_size() // args.section.size
     micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
-    train_set, eval_set = _datasets(args, tokenizer, num_train=args.max_steps * micro * dp)
+    train_sets, eval_set = _datasets(args, tokenizer, num_train=args.max_steps * micro * dp)
     optimizer = None
     if "optimizer" not in ds_config:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr or 1e-4, weight_decay=0.0)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    engine, _, loader, _ = ds_seqpar.initialize(
-        model=model,
-        config=ds_config,
-        optimizer=optimizer,
-        training_data=train_set,
-        shuffle=args.data is not None,
-        seed=args.seed,
-        pad_token_id=pad,
-    )
+    engine, _, _, _ = ds_seqpar.initialize(model=model, config=ds_config, optimizer=optimizer)
     mesh = engine.seqpar_mesh
-    eval_loader = ds_seqpar.seqpar_dataloader(
-        eval_set, mesh, micro, shuffle=False, pad_token_id=pad, drop_last=False
-    )
+
+    def loader_for(dataset: Any, shuffle: bool, drop_last: bool = True) -> Any:
+        return ds_seqpar.seqpar_dataloader(
+            dataset, mesh, micro, shuffle=shuffle, seed=args.seed, pad_token_id=pad, drop_last=drop_last
+        )
+
+    eval_loader = loader_for(eval_set, shuffle=False, drop_last=False)
     ckpt_dir = out_dir / "checkpoints"
     start = 0
     if args.resume:
@@ -321,49 +362,44 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     first_eval = _evaluate(engine, eval_loader)
     log.record({"step": start, **first_eval})
     log.say(
-        f"step {start}: eval loss {first_eval['eval_loss']:.4f}, retrieval accuracy {first_eval['eval_accuracy']:.3f}"
+        f"step {start}: eval loss {first_eval['eval_loss']:.4f}, accuracy {first_eval['eval_accuracy']:.3f}"
     )
-    batches_per_epoch = len(loader)
-    step, last = start, first_eval
-    epoch = step // batches_per_epoch
-    loader.sampler.set_epoch(epoch)
-    it = iter(loader)
-    for _ in range(step % batches_per_epoch):  # resume mid-epoch at the same sample
-        next(it)
-    while step < args.max_steps:
-        try:
-            batch = next(it)
-        except StopIteration:
-            epoch += 1
-            loader.sampler.set_epoch(epoch)
-            it = iter(loader)
-            batch = next(it)
-        t0 = time.perf_counter()
-        with mesh.comm_stats.measure() as comm:
-            loss = engine(**batch)
-            engine.backward(loss)
-            engine.step()
-        step += 1
-        dt = time.perf_counter() - t0
-        tokens = batch["seq_len"] * batch["input_ids"].shape[0] * dp
-        log.step(
-            {
-                "step": step,
-                "loss": loss.item(),
-                "tokens_per_s": tokens / dt,
-                "seq_len": batch["seq_len"],
-                "comm_MiB": comm.total_bytes / 2**20,
-                "step_time_s": dt,
-            }
-        )
-        if args.save_every and step % args.save_every == 0 and step < args.max_steps:
-            engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state={"step": step})
-        if (args.eval_every and step % args.eval_every == 0) or step == args.max_steps:
-            last = _evaluate(engine, eval_loader)
-            log.record({"step": step, **last})
-            log.say(
-                f"step {step}: eval loss {last['eval_loss']:.4f}, retrieval accuracy {last['eval_accuracy']:.3f}"
+    step, last, phase_start = start, first_eval, 0
+    for (seq_len, phase_steps), dataset in zip(args.phases, train_sets):
+        phase_end = phase_start + phase_steps
+        if step < phase_end:
+            if seq_len != args.seq_len:
+                log.say(f"curriculum: steps {step + 1}-{phase_end} at {seq_len} tokens, then {args.seq_len}")
+            batches = _batches(loader_for(dataset, shuffle=args.data is not None), skip=step - phase_start)
+        while step < phase_end:
+            batch = next(batches)
+            t0 = time.perf_counter()
+            with mesh.comm_stats.measure() as comm:
+                loss = engine(**batch)
+                engine.backward(loss)
+                engine.step()
+            step += 1
+            dt = time.perf_counter() - t0
+            tokens = batch["seq_len"] * batch["input_ids"].shape[0] * dp
+            log.step(
+                {
+                    "step": step,
+                    "loss": loss.item(),
+                    "tokens_per_s": tokens / dt,
+                    "seq_len": batch["seq_len"],
+                    "comm_MiB": comm.total_bytes / 2**20,
+                    "step_time_s": dt,
+                }
             )
+            if args.save_every and step % args.save_every == 0 and step < args.max_steps:
+                engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state={"step": step})
+            if (args.eval_every and step % args.eval_every == 0) or step == args.max_steps:
+                last = _evaluate(engine, eval_loader)
+                log.record({"step": step, **last})
+                log.say(
+                    f"step {step}: eval loss {last['eval_loss']:.4f}, accuracy {last['eval_accuracy']:.3f}"
+                )
+        phase_start = phase_end
     if start < args.max_steps:
         engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state={"step": step})
     if not args.no_export:
@@ -380,8 +416,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if rank == 0:
         print(
-            f"done: {step} steps; retrieval accuracy {first_eval['eval_accuracy']:.3f} -> {last['eval_accuracy']:.3f} "
-            f"(chance {1 / 64:.3f} on the embedded task); metrics {summary['metrics']}, checkpoints {ckpt_dir}"
+            f"done: {step} steps; accuracy {first_eval['eval_accuracy']:.3f} -> {last['eval_accuracy']:.3f}"
+            + (f" (passkey retrieval, chance {1 / PASSKEYS:.3f})" if args.data is None else "")
+            + f"; metrics {summary['metrics']}, checkpoints {ckpt_dir}"
             + ("" if args.no_export else f", HF model {summary['hf_model']}"),
             flush=True,
         )

@@ -34,6 +34,8 @@ def test_help_documents_every_flag():
         (["--model", "/no/such/model"], "--model '/no/such/model' does not exist"),
         (["--data", "/no/such.jsonl"], "--data '/no/such.jsonl' does not exist"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["--curriculum", "1024"], "--curriculum='1024': use SEQ:STEPS"),
+        (["--seq-len", "100"], "the embedded passkey task needs sequences of at least 130 tokens"),
     ],
 )
 def test_bad_flags_exit_with_a_message(capsys, argv, message):
@@ -80,8 +82,11 @@ def run_cli(argv: list[str]) -> list[dict]:
 
 
 def test_resume_gives_the_same_next_losses(dist_pool, tmp_path):
+    """Checkpoint at step 2, resume to step 4 across the curriculum switch (3 steps at 192, then 256)."""
     pool = dist_pool(2)
     common = [
+        "--curriculum",
+        "192:3",
         "--ds_config",
         _small_config(tmp_path),
         "--seq-len",
@@ -103,6 +108,7 @@ def test_resume_gives_the_same_next_losses(dist_pool, tmp_path):
     losses = {r["step"]: r["loss"] for r in full if "loss" in r}
     after = {r["step"]: r["loss"] for r in resumed if "loss" in r}
     assert sorted(losses) == [1, 2, 3, 4]
+    assert [r["seq_len"] for r in full if "loss" in r] == [192, 192, 192, 256]
     assert after[3] == losses[3] and after[4] == losses[4], (after, losses)
 
 

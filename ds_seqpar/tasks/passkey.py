@@ -1,10 +1,10 @@
 """Synthetic long-context passkey retrieval: the answer sits a whole sequence before the question.
 
-A sample of S tokens: the passkey (one of 64 ``k*`` words) at position 0, random filler words
+A sample of S tokens: the passkey (one of ``num_keys`` ``k*`` words, default 16) at position 0, random filler words
 (``f*``) everywhere else, and in the last ``2 · num_questions`` tokens a ``?`` every other token.
 The label of each ``?`` is the passkey; the token after a ``?`` in the INPUT is filler, so the answer
 never appears near the question: every question must be answered from position 0, S tokens away,
-which under sequence parallelism lives on another rank. Chance accuracy is 1/64.
+which under sequence parallelism lives on another rank. Chance accuracy is 1 / num_keys.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ IGNORE_INDEX = -100
 class PasskeyTask:
     """Token ids of the task, looked up in a tokenizer that has the ``?``, ``f*`` and ``k*`` words."""
 
-    def __init__(self, tokenizer, num_questions: int = 64) -> None:
+    def __init__(self, tokenizer, num_questions: int = 64, num_keys: int = 16) -> None:
         vocab = tokenizer.get_vocab()
         missing = [w for w in ("?", "f0", "k0") if w not in vocab]
         if missing:
@@ -28,7 +28,12 @@ class PasskeyTask:
             )
         self.question = vocab["?"]
         self.filler = torch.tensor(sorted(v for w, v in vocab.items() if w[:1] == "f" and w[1:].isdigit()))
-        self.keys = torch.tensor(sorted(v for w, v in vocab.items() if w[:1] == "k" and w[1:].isdigit()))
+        keys = sorted(v for w, v in vocab.items() if w[:1] == "k" and w[1:].isdigit())
+        if not 2 <= num_keys <= len(keys):
+            raise ValueError(
+                f"passkey num_keys={num_keys} must be in 2..{len(keys)} (k-words in the tokenizer)"
+            )
+        self.keys = torch.tensor(keys[:num_keys])
         self.num_questions = num_questions
 
     def sample(self, seq_len: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
