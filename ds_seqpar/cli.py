@@ -357,7 +357,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     log = _Log(args, rank, start)
     log.say(
         f"ds_seqpar: {mesh.describe()} | {args.section.attention}, layout {args.section.ring.layout}, "
-        f"S={args.seq_len}, {mesh.sp_size} ranks per sequence, output in {out_dir}"
+        f"S={args.seq_len}, {mesh.sp_size} ranks per sequence, lr {engine.optimizer.param_groups[0]['lr']:g}, "
+        f"output in {out_dir}"
     )
     first_eval = _evaluate(engine, eval_loader)
     log.record({"step": start, **first_eval})
