@@ -36,6 +36,7 @@ DEFAULT_TASK_LR = 3e-3
 DEFAULT_CURRICULUM = "1024:400"
 PASSKEYS = 16
 PASSKEY_QUESTIONS = 64
+PASSKEY_PREFIX = 8
 ROPE_TYPES = ("linear", "dynamic", "yarn")
 
 
@@ -147,9 +148,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--curriculum={curriculum!r}: use SEQ:STEPS (e.g. 1024:400) or none")
         short_steps = min(int(steps), args.max_steps)
         args.phases = [(int(seq), short_steps), (args.seq_len, args.max_steps - short_steps)]
-    if args.data is None and min(seq for seq, _ in args.phases) < 2 * PASSKEY_QUESTIONS + 2:
+    if args.data is None and min(seq for seq, _ in args.phases) < 2 * PASSKEY_QUESTIONS + PASSKEY_PREFIX + 1:
         parser.error(
-            f"the embedded passkey task needs sequences of at least {2 * PASSKEY_QUESTIONS + 2} tokens "
+            f"the embedded passkey task needs sequences of at least {2 * PASSKEY_QUESTIONS + PASSKEY_PREFIX + 1} tokens "
             f"(--seq-len / --curriculum); got {[seq for seq, _ in args.phases]}"
         )
     if args.rope_scaling is not None:
@@ -181,7 +182,13 @@ def _model_config(args: argparse.Namespace) -> Any:
 
     config = AutoConfig.from_pretrained(args.model or DEFAULT_MODEL, trust_remote_code=args.trust_remote_code)
     if args.rope_scaling:
-        config.rope_scaling = dict(args.rope_scaling)
+        # transformers 5 reads RoPE settings from config.rope_parameters (rope_scaling is deprecated)
+        params = dict(getattr(config, "rope_parameters", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+        params.update(args.rope_scaling)
+        if params["rope_type"] == "yarn":
+            params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+        config.rope_parameters = params
     return config
 
 
@@ -203,7 +210,9 @@ def _datasets(args: argparse.Namespace, tokenizer: Any, num_train: int) -> tuple
     from ds_seqpar.tasks.text import PackedTextDataset
 
     if args.data is None:
-        task = PasskeyTask(tokenizer, num_questions=PASSKEY_QUESTIONS, num_keys=PASSKEYS)
+        task = PasskeyTask(
+            tokenizer, num_questions=PASSKEY_QUESTIONS, num_keys=PASSKEYS, prefix=PASSKEY_PREFIX
+        )
         train = [
             PasskeyDataset(task, num_train, seq_len, seed=args.seed * 1_000_003 + 7919 * i)
             for i, (seq_len, _) in enumerate(args.phases)

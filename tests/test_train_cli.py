@@ -35,7 +35,7 @@ def test_help_documents_every_flag():
         (["--data", "/no/such.jsonl"], "--data '/no/such.jsonl' does not exist"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["--curriculum", "1024"], "--curriculum='1024': use SEQ:STEPS"),
-        (["--seq-len", "100"], "the embedded passkey task needs sequences of at least 130 tokens"),
+        (["--seq-len", "100"], "the embedded passkey task needs sequences of at least 137 tokens"),
     ],
 )
 def test_bad_flags_exit_with_a_message(capsys, argv, message):
@@ -132,12 +132,26 @@ def test_text_data_trains_and_exports(dist_pool, tmp_path):
         str(tmp_path / "text"),
         "--lr",
         "1e-3",
+        "--rope-scaling",
+        "linear:2",
     ]
-    rows = dist_pool(2).run(run_cli, argv)[0]
+    pool = dist_pool(2)
+    rows = pool.run(run_cli, argv)[0]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows if "loss" in r)
-    assert (tmp_path / "text" / "hf_model" / "model.safetensors").exists()
-    assert (tmp_path / "text" / "hf_model" / "tokenizer.json").exists()
+    export = tmp_path / "text" / "hf_model"
+    assert (export / "model.safetensors").exists() and (export / "tokenizer.json").exists()
+    assert json.loads((export / "config.json").read_text())["rope_parameters"]["rope_type"] == "linear"
+    # the export is a real HF model directory: train from it with --model (from_pretrained)
+    again = [
+        *argv[: argv.index("--output-dir")],
+        "--output-dir",
+        str(tmp_path / "again"),
+        "--model",
+        str(export),
+    ]
+    rows = pool.run(run_cli, [a for a in again if a not in ("--rope-scaling", "linear:2")])[0]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
 
 
 def test_packing_keeps_document_boundaries():
@@ -146,3 +160,27 @@ def test_packing_keeps_document_boundaries():
     assert [r["input_ids"].tolist() for r in rows] == [[5, 6, 7, 3], [8, 9, 3, 10], [11, 12, 13, 3]]
     assert [r["position_ids"].tolist() for r in rows] == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 2, 3]]
     assert [r["labels"].tolist() for r in rows] == [[-100, 6, 7, 3], [-100, 9, 3, -100], [11, 12, 13, 3]]
+
+
+def test_passkey_rows_hide_the_answer_from_the_questions():
+    from transformers import AutoTokenizer
+
+    from ds_seqpar.cli import DEFAULT_MODEL
+    from ds_seqpar.tasks.passkey import PasskeyTask
+
+    task = PasskeyTask(AutoTokenizer.from_pretrained(DEFAULT_MODEL), num_questions=16, num_keys=16, prefix=4)
+    starts = set()
+    for seed in range(20):
+        row = task.sample(512, torch.Generator().manual_seed(seed))
+        ids, labels = row["input_ids"], row["labels"]
+        key = int(labels[labels != -100][0])
+        where = (ids == key).nonzero().flatten()
+        assert len(where) == 4 and int(where[-1]) < 256  # the passkey sits in the first half only
+        starts.add(int(where[0]))
+        questions = (ids == task.question).nonzero().flatten()
+        assert len(questions) == 16 and int(questions[0]) == 512 - 32
+        assert torch.equal(
+            (labels != -100).nonzero().flatten(), questions + 1
+        )  # answers are labels, not inputs
+        assert bool((labels[questions + 1] == key).all())
+    assert len(starts) > 10  # the position varies: no fixed offset to learn

@@ -18,7 +18,7 @@ IGNORE_INDEX = -100
 class PasskeyTask:
     """Token ids of the task, looked up in a tokenizer that has the ``?``, ``f*`` and ``k*`` words."""
 
-    def __init__(self, tokenizer, num_questions: int = 64, num_keys: int = 16) -> None:
+    def __init__(self, tokenizer, num_questions: int = 64, num_keys: int = 16, prefix: int = 1) -> None:
         vocab = tokenizer.get_vocab()
         missing = [w for w in ("?", "f0", "k0") if w not in vocab]
         if missing:
@@ -35,15 +35,19 @@ class PasskeyTask:
             )
         self.keys = torch.tensor(keys[:num_keys])
         self.num_questions = num_questions
+        self.prefix = prefix
 
     def sample(self, seq_len: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """``input_ids [S]`` and ``labels [S]`` (already next-token aligned: label t is the answer at t)."""
         nq = self.num_questions
-        if seq_len < 2 * nq + 2:
-            raise ValueError(f"passkey seq_len={seq_len} must be >= {2 * nq + 2} (2 x num_questions + 2)")
+        if seq_len < 2 * nq + self.prefix + 1:
+            raise ValueError(
+                f"passkey seq_len={seq_len} must be >= {2 * nq + self.prefix + 1} (2 x num_questions + prefix + 1)"
+            )
         ids = self.filler[torch.randint(len(self.filler), (seq_len,), generator=generator)]
         key = self.keys[torch.randint(len(self.keys), (1,), generator=generator)]
-        ids[0] = key
+        start = int(torch.randint(0, seq_len // 2 - self.prefix + 1, (1,), generator=generator))
+        ids[start : start + self.prefix] = key  # anywhere in the first half: no fixed offset to learn
         questions = torch.arange(seq_len - 2 * nq, seq_len, 2)
         ids[questions] = self.question
         # labels in HF convention (label at t+1 is predicted at t): the token after each "?"
