@@ -398,3 +398,10 @@ def test_plan_and_schedule_errors():
         RingPlan(RingSchedule(RingComm(None, [0, 1], 0)), SeqLayout("zigzag", 4))
     with pytest.raises(ValueError, match=r"ring schedule 'tree' is unknown; valid: p2p, all_gather"):
         build_schedule(None, "tree")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [5, 6, 7])
+def test_ring_odd_and_composite_world_sizes(dist_pool, world):
+    """Slow sweep (scripts/test.sh --slow): the full layout x mask x GQA sweep on 5, 6 and 7 ranks."""
+    _run_and_check(dist_pool(world), _sweep(world))
