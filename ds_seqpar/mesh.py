@@ -130,10 +130,6 @@ class MeshPlan:
             return [list(range(self.world_size))]
         raise ValueError(f"unknown group kind {kind!r}; valid: {', '.join(GROUP_KINDS)}")
 
-    def group_of(self, kind: str, rank: int) -> list[int]:
-        """Members of the group of ``kind`` that contains ``rank``."""
-        return next(g for g in self.groups(kind) if rank in g)
-
 
 def _choices(values: list[int]) -> str:
     return ", ".join(str(v) for v in values)

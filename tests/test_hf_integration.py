@@ -300,3 +300,11 @@ def test_model_that_bypasses_the_attention_interface_is_named(dist_pool):
         "LlamaForCausalLM (original attn_implementation='sdpa') called the ds_seqpar attention 1 times for 2 layers"
         in message
     )
+
+
+def test_disable_restores_the_original_attention():
+    model = ds_seqpar.enable_sequence_parallel(tiny_model("llama"))
+    assert model.config._attn_implementation == "ds_seqpar"
+    ds_seqpar.disable_sequence_parallel(model)
+    assert model.config._attn_implementation == "sdpa"
+    assert model(torch.zeros(1, 8, dtype=torch.long)).logits.shape == (1, 8, 96)  # runs without SP again

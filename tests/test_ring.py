@@ -405,3 +405,16 @@ def test_plan_and_schedule_errors():
 def test_ring_odd_and_composite_world_sizes(dist_pool, world):
     """Slow sweep (scripts/test.sh --slow): the full layout x mask x GQA sweep on 5, 6 and 7 ranks."""
     _run_and_check(dist_pool(world), _sweep(world))
+
+
+def zigzag_block_counts() -> tuple[int, int]:
+    mesh = SeqParMesh.build(2, 1)
+    work = WorkCounter()
+    q = torch.randn(1, 8, 2, 4, dtype=torch.float64)
+    ring_attention(q, q, q, RingPlan(build_schedule(mesh), SeqLayout("zigzag", 2), work=work))
+    return work.blocks, work.skipped_blocks
+
+
+def test_work_counter_counts_segment_blocks(dist_pool):
+    """Zigzag, 2 ranks: 4 segment pairs per step; the own step skips 1 (upper half), the other step 2."""
+    assert dist_pool(2).run(zigzag_block_counts) == [(5, 3), (5, 3)]

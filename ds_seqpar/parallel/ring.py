@@ -40,20 +40,19 @@ SCHEDULES = ("p2p", "all_gather")
 
 @dataclass
 class WorkCounter:
-    """Attention work this rank actually computed: score pairs (query x key) and blocks.
+    """Attention work this rank actually computed: score pairs (query x key) and segment blocks.
 
-    Balance across ranks is ``max / mean`` of ``forward_pairs`` (1.0 = perfect).
+    Balance across ranks is ``max / mean`` of ``forward_pairs`` (1.0 = perfect). ``blocks`` /
+    ``skipped_blocks`` count forward (query segment, key segment) pairs computed / skipped as EMPTY.
     """
 
     forward_pairs: int = 0
     backward_pairs: int = 0
     blocks: int = 0
     skipped_blocks: int = 0
-    per_step: list[int] = field(default_factory=list)
 
     def reset(self) -> None:
         self.forward_pairs = self.backward_pairs = self.blocks = self.skipped_blocks = 0
-        self.per_step.clear()
 
 
 @dataclass(frozen=True)
@@ -107,7 +106,6 @@ def _tasks(plan: RingPlan, seq_len: int, owner: int, q_pos: torch.Tensor, q_doc:
     if k_doc is not None:
         k_pos = k_pos.expand(k_doc.shape)  # per-row documents need per-row positions
     tasks = []
-    skipped = 0
     for qa, qb in layout.segments(seq_len):
         for ka, kb in layout.segments(seq_len):
             kind, mask = classify_block(
@@ -118,11 +116,8 @@ def _tasks(plan: RingPlan, seq_len: int, owner: int, q_pos: torch.Tensor, q_doc:
                 None if k_doc is None else k_doc[..., ka:kb],
             )
             if kind is BlockKind.EMPTY:
-                skipped += 1
                 continue
             tasks.append(_BlockTask(slice(qa, qb), slice(ka, kb), kind, mask))
-    if plan.work is not None:
-        plan.work.skipped_blocks += skipped
     return tasks
 
 
@@ -181,7 +176,8 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
         for owner, (k_blk, v_blk) in plan.schedule.forward((k, v)):
             step_pairs = 0
-            for task in _tasks(plan, seq_len, owner, q_pos, q_doc):
+            tasks = _tasks(plan, seq_len, owner, q_pos, q_doc)
+            for task in tasks:
                 out_blk, lse_blk = block_attn_forward(
                     q[:, task.q_rows],
                     k_blk[:, task.k_rows],
@@ -195,8 +191,8 @@ class _RingAttention(torch.autograd.Function):
                 step_pairs += task.pairs
             if plan.work is not None:
                 plan.work.forward_pairs += step_pairs
-                plan.work.per_step.append(step_pairs)
-                plan.work.blocks += 1
+                plan.work.blocks += len(tasks)
+                plan.work.skipped_blocks += len(plan.layout.segments(seq_len)) ** 2 - len(tasks)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.scale, ctx.seq_len = plan, scale, seq_len
         ctx.mark_non_differentiable(lse)
