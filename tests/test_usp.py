@@ -195,21 +195,13 @@ def test_head_plans():
         HeadPlan.build(4, 4, 8)
 
 
-def ulysses_too_large() -> str:
-    mesh = SeqParMesh.build(2, 2)
-    x = torch.zeros(1, 4, 1, 8)
+def attention_error(ulysses: int, heads: int, positions: list[int] | None) -> str:
+    """The message ds_seqpar.attention raises on this rank (nothing may have been communicated)."""
+    mesh = SeqParMesh.build(2, ulysses)
+    x = torch.zeros(1, 4, heads, 8)
+    pos = None if positions is None else torch.tensor(positions)
     try:
-        ds_seqpar.attention(x, x, x, mesh=mesh)
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
-
-
-def wrong_positions() -> str:
-    mesh = SeqParMesh.build(2, 1)
-    x = torch.zeros(1, 4, 2, 8)
-    try:
-        ds_seqpar.attention(x, x, x, mesh=mesh, positions=torch.arange(4))  # per-rank 0..3 on both ranks
+        ds_seqpar.attention(x, x, x, mesh=mesh, positions=pos)
     except ValueError as exc:
         return str(exc)
     return "no error"
@@ -217,7 +209,7 @@ def wrong_positions() -> str:
 
 def test_errors_raise_on_every_rank_before_any_collective(dist_pool):
     pool = dist_pool(2)
-    for message in pool.run(ulysses_too_large):
+    for message in pool.run(attention_error, 2, 1, None):
         assert "sequence_parallel.ulysses_degree=2 exceeds the 1 query heads" in message
-    for message in pool.run(wrong_positions):
+    for message in pool.run(attention_error, 1, 2, [0, 1, 2, 3]):  # per-rank positions on both ranks
         assert "do not match the 'zigzag' layout over 2 SP ranks" in message
