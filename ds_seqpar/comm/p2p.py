@@ -254,18 +254,16 @@ class AllGatherSchedule:
         return self.index
 
     def _gather(self, kv: Payload) -> list[Payload]:
-        """Every rank's payload, indexed by ring rank."""
+        """Every rank's payload, indexed by ring rank: one all-gather of the stacked payload."""
         if self.size == 1:
             return [kv]
-        gathered = []
-        for t in kv:
-            t = t.contiguous()
-            out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))  # concatenated on dim 0
-            _all_gather_single(out, t, group=self.group)
-            gathered.append(out.view(self.size, *t.shape))
+        stacked = torch.stack(kv)  # [T, ...]: K and V travel in one collective
+        out = stacked.new_empty((self.size * len(kv), *stacked.shape[1:]))
+        _all_gather_single(out, stacked, group=self.group)
         if self.stats is not None:
-            self.stats.record_tensors("all_gather", *kv, copies=self.size - 1)
-        return [tuple(g[j] for g in gathered) for j in range(self.size)]
+            self.stats.record_tensors("all_gather", stacked, copies=self.size - 1)
+        gathered = out.view(self.size, *stacked.shape)
+        return [tuple(gathered[j]) for j in range(self.size)]
 
     def _order(self) -> list[int]:
         """Own block first, then the others (the same order as the ring's first step)."""
@@ -278,21 +276,17 @@ class AllGatherSchedule:
 
     def backward(self, kv: Payload) -> Generator[Block, Payload, Payload]:
         blocks = self._gather(kv)
-        sums: list[torch.Tensor] | None = None
+        sums: torch.Tensor | None = None  # [R, T, ...]: gradients for every owner's payload
         for j in self._order():
             grads = yield j, blocks[j]
             if sums is None:
-                sums = [g.new_zeros((self.size, *g.shape)) for g in grads]
-            for s, g in zip(sums, grads):
-                s[j] += g
+                sums = grads[0].new_zeros((self.size, len(grads), *grads[0].shape))
+            sums[j] += torch.stack(grads)
         assert sums is not None
         if self.size == 1:
-            return tuple(s[0] for s in sums)
-        local = []
-        for s in sums:
-            out = s.new_empty(s.shape[1:])
-            _reduce_scatter_single(out, s.flatten(0, 1), group=self.group)
-            local.append(out)
+            return tuple(sums[0])
+        local = sums.new_empty(sums.shape[1:])
+        _reduce_scatter_single(local, sums.flatten(0, 1), group=self.group)  # dK and dV in one collective
         if self.stats is not None:
-            self.stats.record_tensors("reduce_scatter", *local, copies=self.size - 1)
+            self.stats.record_tensors("reduce_scatter", local, copies=self.size - 1)
         return tuple(local)
