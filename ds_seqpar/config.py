@@ -34,13 +34,24 @@ import json
 import os
 from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 SECTION = "sequence_parallel"
 
 LayoutName = Literal["contiguous", "zigzag", "stripe"]
 ScheduleName = Literal["p2p", "all_gather"]
-AttentionName = Literal["usp", "ulysses", "ring"]
+AttentionName = Literal["usp", "ulysses", "ring", "sparse_ring"]
+BalancingName = Literal["stripe", "dbsp", "none"]
 KernelName = Literal["auto", "torch", "sdpa", "flash_attn"]
 
 
@@ -90,6 +101,68 @@ class RingConfig(_Section):
     )
 
 
+class SparseConfig(_Section):
+    """``sequence_parallel.sparse``: dynamic vertical-slash sparse attention (``attention: "sparse_ring"``)."""
+
+    pattern: Literal["vertical_slash"] = Field(
+        "vertical_slash", description="Sparsity pattern: vertical_slash (key columns + diagonals, MTraining)."
+    )
+    vertical: StrictInt | StrictFloat = Field(
+        0.01,
+        description="Vertical key columns kept per head: a count (int) or a fraction of S (float in (0, 1]).",
+    )
+    slash: StrictInt | StrictFloat = Field(
+        0.02, description="Slash diagonals kept per head: a count (int) or a fraction of S (float in (0, 1])."
+    )
+    block_size: StrictInt = Field(
+        64, ge=1, description="Block (tile) size G in tokens: diagonals run as G x G blocks; stripe width."
+    )
+    last_q: StrictInt = Field(
+        64, ge=1, description="Last queries of the sequence used to estimate the pattern."
+    )
+    sink_tokens: StrictInt = Field(4, ge=0, description="First key columns always kept (attention sinks).")
+    local_diagonals: StrictInt = Field(
+        64, ge=1, description="Diagonals nearest the main diagonal always kept (local attention)."
+    )
+    balancing: BalancingName = Field(
+        "stripe",
+        description="Work balance: stripe (block stripes of block_size over the ring, MTraining) | dbsp (stripes + "
+        "head permutation before the Ulysses all-to-all + block reassignment, db-SP) | none (ring.layout as set).",
+    )
+    layers: Literal["all"] | list[StrictInt] = Field(
+        "all", description='Layers that run sparse ("all" or a list of layer indices); the others stay dense.'
+    )
+    dense_warmup_steps: StrictInt = Field(
+        0, ge=0, description="Training steps that run dense before sparsity starts."
+    )
+    report_balance: StrictBool = Field(
+        True, description="Compute the imbalance ratio rho_s of every sparse layer (ds_seqpar.sparse_stats)."
+    )
+
+    @field_validator("layers")
+    @classmethod
+    def _layers(cls, value: str | list[int]) -> str | list[int]:
+        if isinstance(value, list) and any(i < 0 for i in value):
+            raise ValueError(
+                f'sequence_parallel.sparse.layers={value} has a negative layer index; valid: "all" or indices >= 0'
+            )
+        return value
+
+    @field_validator("vertical", "slash")
+    @classmethod
+    def _budget(cls, value: int | float, info: Any) -> int | float:
+        if isinstance(value, float) and not 0.0 < value <= 1.0:
+            raise ValueError(
+                f"sequence_parallel.sparse.{info.field_name}={value} is not a fraction in (0, 1]; "
+                "valid: a float such as 0.02 (fraction of S) or an int count such as 512"
+            )
+        if isinstance(value, int) and value < 0:
+            raise ValueError(
+                f"sequence_parallel.sparse.{info.field_name}={value} must be >= 0; valid: e.g. 512"
+            )
+        return value
+
+
 class SequenceParallelConfig(_Section):
     """The validated ``sequence_parallel`` section of a DeepSpeed config."""
 
@@ -106,7 +179,11 @@ class SequenceParallelConfig(_Section):
     ring: RingConfig = Field(default_factory=RingConfig, description="Ring-axis settings.")
     attention: AttentionName = Field(
         "usp",
-        description="Algorithm: usp (Ulysses x Ring) | ulysses (U = size) | ring (U = 1).",
+        description="Algorithm: usp (Ulysses x Ring) | ulysses (U = size) | ring (U = 1) | sparse_ring "
+        "(Ulysses x sparse ring with a dynamic vertical-slash pattern; settings in `sparse`).",
+    )
+    sparse: SparseConfig = Field(
+        default_factory=SparseConfig, description="Sparse attention settings (attention='sparse_ring')."
     )
     kernel: KernelName = Field(
         "auto",
@@ -140,12 +217,45 @@ class SequenceParallelConfig(_Section):
                 f"sequence_parallel.ring.inner_size={self.ring.inner_size} needs ring.schedule='p2p' (a double "
                 "ring is a P2P schedule); valid: ring.inner_size=null or ring.schedule='p2p'"
             )
+        self._check_sparse()
         if self.ring.layout != "stripe" and self.ring.granularity != 1:
             raise ValueError(
                 f"sequence_parallel.ring.granularity={self.ring.granularity} only applies to layout='stripe' "
                 f"(layout is '{self.ring.layout}'); valid: remove granularity or set ring.layout='stripe'"
             )
         return self
+
+    def _check_sparse(self) -> None:
+        sparse = self.sparse
+        if self.attention != "sparse_ring":
+            if "sparse" in self.model_fields_set:
+                raise ValueError(
+                    f"sequence_parallel.sparse is set but attention='{self.attention}' ignores it; "
+                    "valid: attention='sparse_ring', or remove the sparse section"
+                )
+            return
+        if sparse.balancing == "none":
+            return
+        ring_set = self.ring.model_fields_set
+        if "layout" in ring_set and self.ring.layout != "stripe":
+            raise ValueError(
+                f"sequence_parallel.ring.layout='{self.ring.layout}' conflicts with sparse.balancing="
+                f"'{sparse.balancing}', which lays tokens out in stripes of sparse.block_size; valid: remove "
+                "ring.layout, or set sparse.balancing='none'"
+            )
+        if "granularity" in ring_set and self.ring.granularity != sparse.block_size:
+            raise ValueError(
+                f"sequence_parallel.ring.granularity={self.ring.granularity} differs from sparse.block_size="
+                f"{sparse.block_size}; with sparse.balancing='{sparse.balancing}' the stripe width is the block "
+                "size: remove ring.granularity"
+            )
+
+    @property
+    def ring_layout(self) -> tuple[str, int]:
+        """``(layout, granularity)`` the ring actually uses (sparse balancing stripes by the block size)."""
+        if self.attention == "sparse_ring" and self.sparse.balancing != "none":
+            return "stripe", self.sparse.block_size
+        return self.ring.layout, self.ring.granularity
 
     def _check_ring(self, ring_degree: int) -> None:
         inner = self.ring.inner_size
@@ -196,7 +306,7 @@ class SequenceParallelConfig(_Section):
             )
         resolved = self.model_copy(deep=True)
         if model_config is None:
-            if self.ulysses_degree == "auto" and self.attention == "usp":
+            if self.ulysses_degree == "auto" and self.attention in ("usp", "sparse_ring"):
                 raise SeqParConfigError(
                     'sequence_parallel.ulysses_degree="auto" needs the model\'s head counts; '
                     "pass model_config to validate() or set an integer ulysses_degree"
@@ -206,7 +316,7 @@ class SequenceParallelConfig(_Section):
             return resolved
         heads, kv_heads = head_counts(model_config)
         if self.ulysses_degree == "auto":
-            if self.attention == "usp":
+            if self.attention in ("usp", "sparse_ring"):
                 resolved.ulysses_degree = auto_ulysses_degree(self.size, heads, kv_heads)
             else:
                 resolved.ulysses_degree = self.resolved_ulysses_degree

@@ -26,7 +26,8 @@ def dense_attention_reference(
 
     Args:
         q: ``[B, Sq, H, D]``; k, v: ``[B, Sk, H_kv, D]``.
-        mask: None (all visible) or bool ``[Sq, Sk]`` / ``[B, Sq, Sk]``, True = visible.
+        mask: None (all visible) or bool ``[Sq, Sk]`` / ``[B, Sq, Sk]`` / per head ``[B, H, Sq, Sk]``,
+            True = visible.
         scale: softmax scale, default ``D ** -0.5``.
 
     Returns:
@@ -41,7 +42,8 @@ def dense_attention_reference(
     if mask is None:
         lse = torch.logsumexp(scores, dim=-1)
         return (torch.softmax(scores, dim=-1) @ v_h).transpose(1, 2), lse
-    visible = (mask if mask.dim() == 3 else mask.unsqueeze(0)).unsqueeze(1)  # [B|1, 1, Sq, Sk]
+    per_row = mask if mask.dim() == 3 else mask.unsqueeze(0)
+    visible = mask if mask.dim() == 4 else per_row.unsqueeze(1)  # [B, H, Sq, Sk] or [B|1, 1, Sq, Sk]
     empty_row = ~visible.any(dim=-1, keepdim=True)
     # Empty rows get finite dummy scores so softmax/logsumexp stay NaN-free; their p is zeroed below.
     scores = scores.masked_fill(~visible, float("-inf")).masked_fill(empty_row, 0.0)

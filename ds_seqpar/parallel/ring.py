@@ -33,6 +33,7 @@ from ds_seqpar.layout import SeqLayout
 from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward
 from ds_seqpar.ops.masks import BlockKind, MaskSpec, classify_block
 from ds_seqpar.ops.merge import merge_attn_
+from ds_seqpar.ops.sparse import SparsePattern, sparse_attn_backward, sparse_attn_forward
 
 Schedule = RingSchedule | AllGatherSchedule
 SCHEDULES = ("p2p", "all_gather")
@@ -67,6 +68,9 @@ class RingPlan:
             negative = padding), or None for one document per row.
         kernel: block kernel name (``"auto"``, ``"torch"``, ``"sdpa"``, ``"flash_attn"``).
         work: optional counter of the work this rank computes.
+        sparse: a vertical-slash pattern of this rank's query heads (``ops/sparse.py``): every step
+            then runs the sparse block kernel on the whole (query shard, key shard) pair instead of
+            the dense kernel per segment pair (the sparse ring, ALGORITHMS.md §14). Needs causal.
     """
 
     schedule: Schedule
@@ -75,8 +79,11 @@ class RingPlan:
     doc_ids: torch.Tensor | None = None
     kernel: str = "auto"
     work: WorkCounter | None = None
+    sparse: SparsePattern | None = None
 
     def __post_init__(self) -> None:
+        if self.sparse is not None and not self.spec.causal:
+            raise ValueError("a sparse (vertical-slash) ring plan needs MaskSpec(causal=True)")
         if self.layout.world != self.schedule.size:
             raise ValueError(
                 f"layout over {self.layout.world} ranks does not match the ring of {self.schedule.size} ranks; "
@@ -119,6 +126,83 @@ def _tasks(plan: RingPlan, seq_len: int, owner: int, q_pos: torch.Tensor, q_doc:
                 continue
             tasks.append(_BlockTask(slice(qa, qb), slice(ka, kb), kind, mask))
     return tasks
+
+
+def _dense_tasks(
+    plan: RingPlan, seq_len: int, owner: int, q_pos: torch.Tensor, q_doc: Any
+) -> list[_BlockTask]:
+    return [] if plan.sparse is not None else _tasks(plan, seq_len, owner, q_pos, q_doc)
+
+
+def _check_sparse(plan: RingPlan, q: torch.Tensor, seq_len: int) -> None:
+    pattern = plan.sparse
+    if pattern.seq_len != seq_len or pattern.num_heads != q.shape[2] or pattern.batch not in (1, q.shape[0]):
+        raise ValueError(
+            f"the sparse pattern covers B={pattern.batch}, H={pattern.num_heads}, S={pattern.seq_len} but the ring "
+            f"holds B={q.shape[0]}, H={q.shape[2]}, S={seq_len}; estimate it for this rank's heads and sequence"
+        )
+
+
+def _pair_meta(plan: RingPlan, seq_len: int, rank: int, device: torch.device) -> tuple[torch.Tensor, Any]:
+    """1-D global positions ``[n]`` and document ids (``[n]`` / ``[B, n]`` or None) of ``rank``'s tokens."""
+    pos = plan.layout.local_positions(seq_len, rank).to(device)
+    doc = None if plan.doc_ids is None else plan.layout.shard(plan.doc_ids, rank, dim=-1).to(device)
+    return pos, doc
+
+
+def _sparse_step_forward(
+    plan: RingPlan,
+    q: torch.Tensor,
+    k_blk: torch.Tensor,
+    v_blk: torch.Tensor,
+    owner: int,
+    seq_len: int,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """One ring step of the sparse ring: the whole local query shard against ``owner``'s keys."""
+    q_pos, q_doc = _pair_meta(plan, seq_len, plan.schedule.ring_rank, q.device)
+    k_pos, k_doc = _pair_meta(plan, seq_len, owner, q.device)
+    out_blk, lse_blk, pairs = sparse_attn_forward(
+        q, k_blk, v_blk, q_pos, k_pos, plan.sparse, scale=scale, spec=plan.spec, q_doc=q_doc, k_doc=k_doc
+    )
+    merge_attn_(out, lse, out_blk, lse_blk)
+    if plan.work is not None:
+        plan.work.forward_pairs += pairs // q.shape[2]
+        plan.work.blocks += 1 if pairs else 0
+        plan.work.skipped_blocks += 0 if pairs else 1
+
+
+def _sparse_step_backward(
+    plan: RingPlan,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k_blk: torch.Tensor,
+    v_blk: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    owner: int,
+    seq_len: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q_pos, q_doc = _pair_meta(plan, seq_len, plan.schedule.ring_rank, q.device)
+    k_pos, k_doc = _pair_meta(plan, seq_len, owner, q.device)
+    return sparse_attn_backward(
+        dout,
+        q,
+        k_blk,
+        v_blk,
+        out,
+        lse,
+        q_pos,
+        k_pos,
+        plan.sparse,
+        scale=scale,
+        spec=plan.spec,
+        q_doc=q_doc,
+        k_doc=k_doc,
+    )
 
 
 def _query_meta(plan: RingPlan, seq_len: int, device: torch.device) -> tuple[torch.Tensor, Any]:
@@ -174,7 +258,12 @@ class _RingAttention(torch.autograd.Function):
         b, n, h, d = q.shape
         out = torch.zeros(b, n, h, d, dtype=acc, device=q.device)
         lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
+        if plan.sparse is not None:
+            _check_sparse(plan, q, seq_len)
         for owner, (k_blk, v_blk) in plan.schedule.forward((k, v)):
+            if plan.sparse is not None:
+                _sparse_step_forward(plan, q, k_blk, v_blk, owner, seq_len, scale, out, lse)
+                continue
             step_pairs = 0
             tasks = _tasks(plan, seq_len, owner, q_pos, q_doc)
             for task in tasks:
@@ -208,9 +297,15 @@ class _RingAttention(torch.autograd.Function):
         steps = plan.schedule.backward((k, v))
         owner, (k_blk, v_blk) = next(steps)
         while True:
-            dk = torch.zeros_like(k_blk, dtype=acc)
-            dv = torch.zeros_like(v_blk, dtype=acc)
-            for task in _tasks(plan, ctx.seq_len, owner, q_pos, q_doc):
+            if plan.sparse is not None:
+                dq_p, dk, dv = _sparse_step_backward(
+                    plan, dout, q, k_blk, v_blk, out, lse, owner, ctx.seq_len, ctx.scale
+                )
+                dq += dq_p
+            else:
+                dk = torch.zeros_like(k_blk, dtype=acc)
+                dv = torch.zeros_like(v_blk, dtype=acc)
+            for task in _dense_tasks(plan, ctx.seq_len, owner, q_pos, q_doc):
                 dq_p, dk_p, dv_p = block_attn_backward(
                     dout[:, task.q_rows],
                     q[:, task.q_rows],

@@ -22,6 +22,7 @@ from ds_seqpar.layout import SeqLayout, UspLayout
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.attention import resolve_kernel
 from ds_seqpar.ops.masks import MaskSpec
+from ds_seqpar.parallel.activation import sparse_layer_active
 from ds_seqpar.parallel.ring import RingPlan, WorkCounter, build_schedule, check_qkv, ring_attention
 from ds_seqpar.parallel.ulysses import gather_heads, scatter_heads
 
@@ -29,8 +30,7 @@ from ds_seqpar.parallel.ulysses import gather_heads, scatter_heads
 def input_layout(mesh: SeqParMesh) -> UspLayout:
     """The layout the data side must shard with for this mesh and config (ring layout, then Ulysses split)."""
     cfg = mesh.config
-    kind = "zigzag" if cfg is None else cfg.ring.layout
-    granularity = 1 if cfg is None else cfg.ring.granularity
+    kind, granularity = ("zigzag", 1) if cfg is None else cfg.ring_layout
     return UspLayout(SeqLayout(kind, mesh.ring_size, granularity), mesh.ulysses_size)
 
 
@@ -64,6 +64,16 @@ def _check(
         )
     seq_len = q.shape[1] * layout.world
     layout.check_length(seq_len)
+    if (
+        mesh.config is not None
+        and mesh.config.attention == "sparse_ring"
+        and mesh.config.sparse.balancing != "none"
+        and seq_len % (layout.ring.world * mesh.config.sparse.block_size) != 0
+    ):
+        raise ValueError(
+            f"sequence length {seq_len} is not a multiple of ring degree {layout.ring.world} x "
+            f"sparse.block_size {mesh.config.sparse.block_size}; pad it (ds_seqpar.data pads for you)"
+        )
     if positions is not None:
         expected = layout.local_positions(seq_len, mesh.coords.sp_rank).to(positions.device)
         got = positions if positions.dim() == 1 else positions[0]
@@ -94,6 +104,8 @@ def attention(
     positions: torch.Tensor | None = None,
     doc_ids: torch.Tensor | None = None,
     work: WorkCounter | None = None,
+    layer: int | None = None,
+    step: int = 0,
 ) -> torch.Tensor:
     """Exact attention over the whole sequence that the SP group shares; the configured algorithm.
 
@@ -110,9 +122,12 @@ def attention(
         doc_ids: document id per token of the whole sequence in global order, ``[S]`` or ``[B, S]``
             (packed batches; negative = padding), or None.
         work: optional counter of the attention work this rank computes.
+        layer, step: layer index and training step, for ``attention: "sparse_ring"`` (which layers are
+            sparse, dense warm-up, per-layer statistics); other algorithms ignore them.
 
     Returns:
-        ``out [B, n, H, D]`` in q.dtype; differentiable in q, k, v.
+        ``out [B, n, H, D]`` in q.dtype; differentiable in q, k, v. Exact for every algorithm except
+        ``sparse_ring``, which is exact attention under the estimated vertical-slash pattern.
     """
     cfg = mesh.config
     algorithm = "usp" if cfg is None else cfg.attention
@@ -127,7 +142,24 @@ def attention(
             "valid: attention='usp' or ulysses_degree=1"
         )
     layout = input_layout(mesh)
-    _check(q, k, v, mesh, layout, positions, doc_ids)
+    seq_len = _check(q, k, v, mesh, layout, positions, doc_ids)
+    if algorithm == "sparse_ring" and causal and sparse_layer_active(cfg.sparse, layer, step):
+        from ds_seqpar.parallel.sparse_ring import sparse_attention  # sparse_ring builds on this module
+
+        return sparse_attention(
+            q,
+            k,
+            v,
+            mesh=mesh,
+            layout=layout,
+            schedule=_schedule(mesh),
+            seq_len=seq_len,
+            softmax_scale=softmax_scale,
+            window=window,
+            doc_ids=doc_ids,
+            work=work,
+            layer=layer,
+        )
     kernel = "auto" if cfg is None else cfg.kernel
     resolve_kernel(kernel, q.device, q.dtype)  # an unavailable kernel fails here, not mid-collective
     plan = RingPlan(

@@ -1,0 +1,607 @@
+"""Dynamic vertical-slash sparse attention: pattern estimation, block masks and the sparse block kernel.
+
+ALGORITHMS.md §14 (MTraining / MInference vertical-slash), §15 (db-SP work matrix and ρ_s).
+
+Legend:
+    B, H, H_kv, D  batch, query heads, key/value heads, head dim
+    S              global sequence length; positions are GLOBAL token positions 0..S-1
+    G              ``block_size``: the tile of the block mask, in tokens
+    nB = ceil(S/G) block count; block of position t is ``t // G``
+    Sq, Sk         query / key rows of one (query shard, key shard) pair, in any layout
+
+The pattern (one per batch row and query head; ``SparsePattern``):
+    vertical [B, H, S]  chosen key columns ("vertical lines", sink tokens included)
+    slash    [B, H, nB] chosen block diagonals d = q_block - k_block (d = 0 always chosen)
+
+Effective mask (True = the key is attended; the single-process reference uses exactly this):
+    M[b, h, i, j] = causal(i >= j) and (slash[b, h, i//G - j//G] or vertical[b, h, j])
+                    and the window / document rules of ``MaskSpec`` and ``doc_ids``.
+Chosen diagonals δ = i - j are executed at block granularity: a block (i//G, j//G) is computed
+whole when a chosen diagonal crosses it, i.e. for d = floor(δ/G) and ceil(δ/G) - the block
+superset MTraining's kernels compute too. Vertical columns outside the chosen blocks are
+"bars": single key columns gathered per query tile.
+
+Kernel (``sparse_attn_forward`` / ``sparse_attn_backward``): for each (row, head), each query
+tile of G rows gathers the keys of its chosen blocks plus its bar columns and runs one batched
+masked softmax over them; work is proportional to the pattern, not to Sq·Sk. It needs every
+shard to consist of whole, G-aligned blocks of consecutive positions (stripe(G), zigzag or
+contiguous with chunks divisible by G); anything else runs an exact token-masked path that is
+as slow as dense. Outputs are fp32 (fp64 for fp64 inputs), like ``ops/attention.py``.
+
+Estimation (``estimate_pattern``): the last ``last_q`` queries of the WHOLE sequence score every
+key (causal softmax); a key column's vertical score is the sum of its probabilities, a diagonal's
+slash score the sum along it. The first ``sink_tokens`` columns and the ``local_diagonals``
+nearest diagonals are always taken; then the top-``vertical`` columns and top-``slash``
+diagonals. Distributed, each rank scores only its own keys: a ``Reducer`` (sum / max /
+broadcast over the ring or SP group; ``None`` = single process) completes the sums, so every rank
+ends with the same pattern. This module never calls a collective itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ds_seqpar.ops.masks import MaskSpec, token_mask
+
+__all__ = [
+    "Reducer",
+    "SparsePattern",
+    "VerticalSlashBudget",
+    "block_work",
+    "estimate_pattern",
+    "imbalance_ratio",
+    "sparse_attention_reference",
+    "sparse_attn_backward",
+    "sparse_attn_forward",
+]
+
+NEG_INF = float("-inf")
+CAUSAL = MaskSpec()
+
+
+# ----------------------------------------------------------------------------------------------
+# pattern
+
+
+@dataclass(frozen=True)
+class SparsePattern:
+    """Vertical-slash pattern of every (batch row, query head), in global positions.
+
+    Args:
+        vertical: bool ``[B, H, S]``, chosen key columns.
+        slash: bool ``[B, H, nB]``, chosen block diagonals (``slash[..., 0]`` must be True: every
+            query sees its own block, causally).
+        block_size: G in tokens.
+    """
+
+    vertical: torch.Tensor
+    slash: torch.Tensor
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"SparsePattern.block_size={self.block_size} must be >= 1")
+        if self.vertical.dtype != torch.bool or self.slash.dtype != torch.bool:
+            raise ValueError("SparsePattern.vertical and .slash must be bool tensors")
+        if (
+            self.vertical.dim() != 3
+            or self.slash.dim() != 3
+            or self.vertical.shape[:2] != self.slash.shape[:2]
+        ):
+            raise ValueError(
+                f"SparsePattern needs vertical [B, H, S] and slash [B, H, nB]; got {tuple(self.vertical.shape)} "
+                f"and {tuple(self.slash.shape)}"
+            )
+        if self.slash.shape[-1] != math.ceil(self.seq_len / self.block_size):
+            raise ValueError(
+                f"slash has {self.slash.shape[-1]} block diagonals but S={self.seq_len} with block_size="
+                f"{self.block_size} has {math.ceil(self.seq_len / self.block_size)}"
+            )
+        if not bool(self.slash[..., 0].all()):
+            raise ValueError(
+                "SparsePattern.slash[..., 0] must be True (the diagonal block is always computed)"
+            )
+
+    @property
+    def seq_len(self) -> int:
+        return self.vertical.shape[-1]
+
+    @property
+    def num_heads(self) -> int:
+        return self.vertical.shape[1]
+
+    @property
+    def batch(self) -> int:
+        return self.vertical.shape[0]
+
+    def heads(self, index: torch.Tensor | list[int]) -> SparsePattern:
+        """The pattern of the query heads ``index`` (in that order)."""
+        idx = torch.as_tensor(index, dtype=torch.long, device=self.vertical.device)
+        return SparsePattern(self.vertical[:, idx], self.slash[:, idx], self.block_size)
+
+    def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Pattern-and-causal visibility ``[B, H, Sq, Sk]`` for 1-D global positions (no window / docs)."""
+        d_blk = q_pos[:, None] // self.block_size - k_pos[None, :] // self.block_size
+        causal = q_pos[:, None] >= k_pos[None, :]
+        slash = self.slash[:, :, d_blk.clamp(min=0)]  # [B, H, Sq, Sk]
+        vertical = self.vertical[:, :, k_pos][:, :, None, :]
+        return causal & (slash | vertical)
+
+    def token_density(self) -> float:
+        """Fraction of the causal (query, key) pairs the pattern keeps (1 - sparsity), over rows and heads."""
+        pos = torch.arange(self.seq_len, device=self.vertical.device)
+        kept = 0
+        for start in range(0, self.seq_len, 1024):  # bounded memory
+            kept += int(self.visible(pos[start : start + 1024], pos).sum())
+        causal = self.seq_len * (self.seq_len + 1) // 2
+        return kept / (causal * self.batch * self.num_heads)
+
+
+@dataclass(frozen=True)
+class VerticalSlashBudget:
+    """How many vertical columns and slash diagonals to keep per head, and the estimation window.
+
+    ``vertical`` / ``slash``: a count (int >= 0) or a fraction of S (float in (0, 1]).
+    """
+
+    vertical: int | float
+    slash: int | float
+    block_size: int = 64
+    last_q: int = 64
+    sink_tokens: int = 4
+    local_diagonals: int = 64
+
+    def count(self, value: int | float, seq_len: int) -> int:
+        if isinstance(value, float):
+            return min(seq_len, max(1, round(value * seq_len)))
+        return min(seq_len, int(value))
+
+
+class Reducer(Protocol):
+    """In-place reductions over the ranks that share the sequence (every rank must call each)."""
+
+    def sum_(self, t: torch.Tensor) -> None: ...
+
+    def max_(self, t: torch.Tensor) -> None: ...
+
+    def broadcast_(self, t: torch.Tensor) -> None: ...
+
+
+def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``[B, S, H_kv, D]`` -> ``[B, S, H, D]`` (GQA: query head h uses kv head h // (H / H_kv))."""
+    group = num_heads // x.shape[2]
+    return x if group == 1 else x.repeat_interleave(group, dim=2)
+
+
+def estimate_pattern(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    seq_len: int,
+    budget: VerticalSlashBudget,
+    scale: float | None = None,
+    reducer: Reducer | None = None,
+) -> SparsePattern:
+    """Vertical-slash pattern of the whole sequence from this rank's shard (see module docstring).
+
+    Args:
+        q: ``[B, n, H, D]``, k: ``[B, n, H_kv, D]``: this rank's tokens (any layout).
+        q_pos, k_pos: their global positions ``[n]``.
+        seq_len: global S.
+        budget: counts and estimation window.
+        reducer: sums / maxima / broadcast over the ranks sharing the sequence; None = one process
+            holding all of it.
+
+    Communicated (through ``reducer``, in fp64): the last queries ``[B, last_q, H, D]`` (sum), the row maxima
+    and sums ``[B, H, last_q]``, the scores ``[2, B, H, S]`` (sum) and the chosen pattern (broadcast).
+    """
+    b, _, h, d = q.shape
+    scale = d**-0.5 if scale is None else scale
+    acc = torch.float64  # tiny (last_q x n) and makes the top-k identical however the sums are split
+    last = min(budget.last_q, seq_len)
+    first_last = seq_len - last
+    # 1. the last queries of the sequence, assembled from whichever ranks hold them
+    q_last = torch.zeros(b, last, h, d, dtype=acc, device=q.device)
+    mine = q_pos >= first_last
+    q_last[:, q_pos[mine] - first_last] = q[:, mine].to(acc)
+    if reducer is not None:
+        reducer.sum_(q_last)
+    last_pos = torch.arange(first_last, seq_len, device=q.device)
+    # 2. causal softmax of those queries over every key; each rank scores its own keys
+    keys = _expand_kv(k, h).to(acc)
+    scores = torch.einsum("bihd,bjhd->bhij", q_last, keys) * scale  # [B, H, last, n]
+    delta = last_pos[:, None] - k_pos[None, :]  # [last, n]
+    visible = delta >= 0
+    scores = scores.masked_fill(~visible, NEG_INF)
+    row_max = scores.amax(dim=-1).clamp(min=torch.finfo(acc).min)
+    if reducer is not None:
+        reducer.max_(row_max)
+    probs = torch.exp(scores - row_max[..., None])
+    row_sum = probs.sum(dim=-1)
+    if reducer is not None:
+        reducer.sum_(row_sum)
+    probs = probs / row_sum.clamp(min=torch.finfo(acc).tiny)[..., None]
+    # 3. vertical (column) and slash (diagonal) scores over the whole sequence
+    totals = torch.zeros(2, b, h, seq_len, dtype=acc, device=q.device)
+    totals[0].index_add_(2, k_pos, probs.sum(dim=2))
+    flat = probs.masked_fill(~visible, 0.0).reshape(b, h, -1)
+    totals[1].index_add_(2, delta.clamp(min=0).reshape(-1), flat)
+    if reducer is not None:
+        reducer.sum_(totals)
+    # 4. selection (identical input on every rank), then one broadcast makes it bit-identical
+    v_count = budget.count(budget.vertical, seq_len)
+    s_count = budget.count(budget.slash, seq_len)
+    v_score, s_score = totals[0].clone(), totals[1].clone()
+    v_score[..., : budget.sink_tokens] = float("inf")
+    s_score[..., : budget.local_diagonals] = float("inf")
+    vertical = torch.zeros(b, h, seq_len, dtype=torch.bool, device=q.device)
+    if v_count:
+        vertical.scatter_(2, v_score.topk(v_count, dim=-1).indices, True)
+    offsets = torch.zeros(b, h, seq_len, dtype=torch.bool, device=q.device)
+    if s_count:
+        offsets.scatter_(2, s_score.topk(s_count, dim=-1).indices, True)
+    slash = diagonals_to_blocks(offsets, budget.block_size)
+    if reducer is not None:
+        packed = torch.cat([vertical, slash], dim=-1).to(torch.uint8)
+        reducer.broadcast_(packed)
+        vertical, slash = packed[..., :seq_len].bool(), packed[..., seq_len:].bool()
+    return SparsePattern(vertical, slash, budget.block_size)
+
+
+def diagonals_to_blocks(offsets: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Chosen token diagonals ``[B, H, S]`` (δ = i - j) -> block diagonals ``[B, H, nB]`` they cross.
+
+    A diagonal δ crosses the blocks whose offset d satisfies |δ - d·G| < G: d = floor(δ/G), ceil(δ/G).
+    Block diagonal 0 is always set.
+    """
+    b, h, s = offsets.shape
+    nb = math.ceil(s / block_size)
+    delta = torch.arange(s, device=offsets.device)
+    slash = torch.zeros(b, h, nb, dtype=torch.bool, device=offsets.device)
+    for d in (delta // block_size, (delta + block_size - 1) // block_size):
+        hit = torch.zeros(b, h, nb + 1, dtype=torch.int32, device=offsets.device)
+        hit.index_add_(2, d, offsets.to(torch.int32))
+        slash |= hit[..., :nb] > 0
+    slash[..., 0] = True
+    return slash
+
+
+# ----------------------------------------------------------------------------------------------
+# which keys each query tile computes
+
+
+def _aligned_blocks(pos: torch.Tensor, g: int) -> torch.Tensor | None:
+    """Block ids ``[T]`` if ``pos`` is whole, aligned blocks of ``g`` consecutive positions, else None."""
+    if pos.numel() % g:
+        return None
+    tiles = pos.view(-1, g)
+    start = tiles[:, 0]
+    if bool((start % g).any()) or not torch.equal(tiles, start[:, None] + torch.arange(g, device=pos.device)):
+        return None
+    return start // g
+
+
+@dataclass(frozen=True)
+class _TileKeys:
+    """Keys of every query tile for one (row, head): ``rows [T, nK]`` local key indices and
+    ``valid [T, nK]`` (False = padding or duplicate); None = this head computes nothing."""
+
+    rows: torch.Tensor
+    valid: torch.Tensor
+
+
+def _tile_keys(
+    slash: torch.Tensor,
+    vertical: torch.Tensor,
+    q_blk: torch.Tensor,
+    k_blk: torch.Tensor,
+    k_pos: torch.Tensor,
+    g: int,
+) -> _TileKeys | None:
+    """Chosen key blocks plus bar columns for every query tile of one (row, head).
+
+    Args:
+        slash: ``[nB]`` block diagonals; vertical: ``[S]`` columns of this head.
+        q_blk ``[Tq]`` / k_blk ``[Tk]``: global block id of each local tile.
+    """
+    d = q_blk[:, None] - k_blk[None, :]  # [Tq, Tk]
+    active = (d >= 0) & slash[d.clamp(min=0)]
+    bars = vertical[k_pos].nonzero().squeeze(1)  # local key rows of the vertical columns
+    bar_tile = bars // g
+    bar_valid = (k_blk[bar_tile][None, :] < q_blk[:, None]) & ~active[:, bar_tile]  # [Tq, nbar]
+    counts = active.sum(dim=1)
+    n_act = int(counts.max()) if counts.numel() else 0
+    if n_act == 0 and not bool(bar_valid.any()):
+        return None
+    order = torch.argsort(active.to(torch.int8), dim=1, descending=True, stable=True)[:, :n_act]
+    tile_valid = torch.arange(n_act, device=q_blk.device)[None, :] < counts[:, None]  # [Tq, nA]
+    rows = (order[:, :, None] * g + torch.arange(g, device=q_blk.device)).reshape(len(q_blk), -1)
+    valid = tile_valid[:, :, None].expand(-1, -1, g).reshape(len(q_blk), -1)
+    rows = torch.cat([rows, bars[None, :].expand(len(q_blk), -1)], dim=1)
+    valid = torch.cat([valid, bar_valid], dim=1)
+    return _TileKeys(rows, valid)
+
+
+@dataclass(frozen=True)
+class _PairPlan:
+    """How one (query shard, key shard) pair is tiled: ``g`` query rows per tile, per-head keys."""
+
+    g: int
+    tiles: list[list[_TileKeys | None]]  # [B][H]
+    q_pos: torch.Tensor  # [T, g]
+    k_pos: torch.Tensor  # [Sk]
+    dense_mask: torch.Tensor | None  # unaligned fallback: [B, H, Sq, Sk] pattern visibility
+
+    def pairs(self) -> int:
+        """Score pairs computed, summed over rows and heads (padding excluded)."""
+        if self.dense_mask is not None:
+            return int(self.dense_mask.sum())
+        return sum(int(t.valid.sum()) * self.g for row in self.tiles for t in row if t is not None)
+
+
+def _plan_pair(pattern: SparsePattern, q_pos: torch.Tensor, k_pos: torch.Tensor) -> _PairPlan:
+    g = pattern.block_size
+    q_blk, k_blk = _aligned_blocks(q_pos, g), _aligned_blocks(k_pos, g)
+    if q_blk is None or k_blk is None:
+        return _PairPlan(q_pos.numel(), [], q_pos[None, :], k_pos, pattern.visible(q_pos, k_pos))
+    tiles = [
+        [
+            _tile_keys(pattern.slash[b, h], pattern.vertical[b, h], q_blk, k_blk, k_pos, g)
+            for h in range(pattern.num_heads)
+        ]
+        for b in range(pattern.batch)
+    ]
+    return _PairPlan(g, tiles, q_pos.view(-1, g), k_pos, None)
+
+
+def _gathered(
+    plan: _PairPlan,
+    b: int,
+    h: int,
+    spec: MaskSpec,
+    q_doc: torch.Tensor | None,
+    k_doc: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(key rows [T, nK], visible [T, g, nK])`` of one (row, head), or None if nothing is visible."""
+    qd = None if q_doc is None else q_doc[b if q_doc.dim() == 2 else slice(None)]
+    kd = None if k_doc is None else k_doc[b if k_doc.dim() == 2 else slice(None)]
+    if plan.dense_mask is not None:
+        rows = torch.arange(plan.k_pos.numel(), device=plan.k_pos.device)[None, :]
+        visible = plan.dense_mask[b, h][None] & token_mask(plan.q_pos[0], plan.k_pos, spec, qd, kd)[None]
+        return (rows, visible) if bool(visible.any()) else None
+    tk = plan.tiles[b][h]
+    if tk is None:
+        return None
+    kp = plan.k_pos[tk.rows]  # [T, nK]
+    visible = tk.valid[:, None, :] & (plan.q_pos[:, :, None] >= kp[:, None, :])
+    if spec.window is not None:
+        visible &= plan.q_pos[:, :, None] - kp[:, None, :] < spec.window
+    if qd is not None and kd is not None:
+        qdt, kdt = qd.view(plan.q_pos.shape), kd[tk.rows]
+        visible &= (qdt[:, :, None] == kdt[:, None, :]) & (qdt >= 0)[:, :, None] & (kdt >= 0)[:, None, :]
+    return tk.rows, visible
+
+
+def _check(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    pattern: SparsePattern,
+    spec: MaskSpec,
+) -> None:
+    if not spec.causal:
+        raise ValueError(
+            "vertical-slash sparse attention is causal; got MaskSpec(causal=False) - use dense attention"
+        )
+    if pattern.num_heads != q.shape[2] or pattern.batch not in (1, q.shape[0]):
+        raise ValueError(
+            f"the sparse pattern covers B={pattern.batch}, H={pattern.num_heads} but q is {tuple(q.shape)} [B, Sq, H, D]; "
+            "estimate the pattern from the same heads (after any head permutation / Ulysses split)"
+        )
+    if q_pos.dim() != 1 or k_pos.dim() != 1 or q_pos.numel() != q.shape[1] or k_pos.numel() != k.shape[1]:
+        raise ValueError(
+            f"q_pos / k_pos must be 1-D global positions of the q / k rows; got {tuple(q_pos.shape)} / "
+            f"{tuple(k_pos.shape)} for q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+    if int(k_pos.max()) >= pattern.seq_len or int(q_pos.max()) >= pattern.seq_len:
+        raise ValueError(
+            f"positions reach {int(max(q_pos.max(), k_pos.max()))} but the pattern covers S={pattern.seq_len}"
+        )
+
+
+def _row_pattern(pattern: SparsePattern, batch: int) -> SparsePattern:
+    if pattern.batch == batch:
+        return pattern
+    return SparsePattern(
+        pattern.vertical.expand(batch, -1, -1), pattern.slash.expand(batch, -1, -1), pattern.block_size
+    )
+
+
+def sparse_attn_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    pattern: SparsePattern,
+    *,
+    scale: float,
+    spec: MaskSpec = CAUSAL,
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Sparse attention of one (query shard, key shard) pair under ``pattern``.
+
+    Args:
+        q: ``[B, Sq, H, D]``; k, v: ``[B, Sk, H_kv, D]``; q_pos ``[Sq]`` / k_pos ``[Sk]`` global positions.
+        pattern: covers the H query heads (B rows or 1).
+        spec: must be causal; its window applies on top of the pattern.
+        q_doc, k_doc: document ids ``[Sq]`` / ``[B, Sq]`` (negative = padding) or None.
+
+    Returns:
+        ``(out [B, Sq, H, D], lse [B, H, Sq], pairs)`` in fp32 (fp64 for fp64 inputs); rows that see
+        no key have out 0 and lse -inf; ``pairs`` = score pairs computed over rows and heads.
+    """
+    _check(q, k, q_pos, k_pos, pattern, spec)
+    b, sq, h, d = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    group = h // k.shape[2]
+    plan = _plan_pair(_row_pattern(pattern, b), q_pos, k_pos)
+    out = torch.zeros(b, sq, h, d, dtype=acc, device=q.device)
+    lse = torch.full((b, h, sq), NEG_INF, dtype=acc, device=q.device)
+    for bi in range(b):
+        for hi in range(h):
+            got = _gathered(plan, bi, hi, spec, q_doc, k_doc)
+            if got is None:
+                continue
+            rows, visible = got
+            qt = q[bi, :, hi].to(acc).view(-1, plan.g, d)  # [T, g, D]
+            kt = k[bi, :, hi // group].to(acc)[rows]  # [T, nK, D]
+            vt = v[bi, :, hi // group].to(acc)[rows]
+            s = (qt @ kt.transpose(1, 2)).mul_(scale).masked_fill_(~visible, NEG_INF)
+            row_lse = torch.logsumexp(s, dim=-1)  # [T, g]
+            safe = torch.where(torch.isinf(row_lse), torch.zeros_like(row_lse), row_lse)
+            p = torch.exp(s - safe[..., None])
+            out[bi, :, hi] = (p @ vt).reshape(sq, d)
+            lse[bi, hi] = row_lse.reshape(sq)
+    return out, lse, plan.pairs()
+
+
+def sparse_attn_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    pattern: SparsePattern,
+    *,
+    scale: float,
+    spec: MaskSpec = CAUSAL,
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one pair given the FINAL ``out`` ``[B, Sq, H, D]`` and ``lse`` ``[B, H, Sq]`` of the rows.
+
+    Returns ``(dq [B, Sq, H, D], dk, dv [B, Sk, H_kv, D])`` in fp32 (fp64 for fp64 inputs).
+    """
+    _check(q, k, q_pos, k_pos, pattern, spec)
+    b, sq, h, d = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    group = h // k.shape[2]
+    plan = _plan_pair(_row_pattern(pattern, b), q_pos, k_pos)
+    dq = torch.zeros(b, sq, h, d, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(k.shape, dtype=acc, device=q.device)
+    for bi in range(b):
+        for hi in range(h):
+            got = _gathered(plan, bi, hi, spec, q_doc, k_doc)
+            if got is None:
+                continue
+            rows, visible = got
+            t = rows.shape[0]
+            qt = q[bi, :, hi].to(acc).view(t, -1, d)
+            kt = k[bi, :, hi // group].to(acc)[rows]
+            vt = v[bi, :, hi // group].to(acc)[rows]
+            dot = dout[bi, :, hi].to(acc).view(t, -1, d)
+            row_lse = lse[bi, hi].to(acc).view(t, -1)
+            safe = torch.where(torch.isinf(row_lse), torch.zeros_like(row_lse), row_lse)
+            s = (qt @ kt.transpose(1, 2)).mul_(scale).masked_fill_(~visible, NEG_INF)
+            p = torch.exp(s - safe[..., None])  # [T, g, nK]
+            delta = (dot * out[bi, :, hi].to(acc).view(t, -1, d)).sum(-1, keepdim=True)
+            ds = p * (dot @ vt.transpose(1, 2) - delta)
+            dq[bi, :, hi] = (ds @ kt).mul_(scale).reshape(sq, d)
+            flat = rows.reshape(-1)
+            dk[bi, :, hi // group].index_add_(0, flat, (ds.transpose(1, 2) @ qt).mul_(scale).reshape(-1, d))
+            dv[bi, :, hi // group].index_add_(0, flat, (p.transpose(1, 2) @ dot).reshape(-1, d))
+    return dq, dk, dv
+
+
+def sparse_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pattern: SparsePattern,
+    scale: float | None = None,
+    spec: MaskSpec = CAUSAL,
+    doc_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense single-process attention under the pattern's token mask (ground truth; autograd).
+
+    Args:
+        q: ``[B, S, H, D]``; k, v: ``[B, S, H_kv, D]`` in global order; doc_ids ``[S]`` / ``[B, S]``.
+
+    Returns:
+        ``(out [B, S, H, D], lse [B, H, S])`` in the input dtype.
+    """
+    from ds_seqpar.ops.reference import dense_attention_reference
+
+    s = q.shape[1]
+    pos = torch.arange(s, device=q.device)
+    mask = pattern.visible(pos, pos).expand(q.shape[0], -1, -1, -1)
+    base = (
+        token_mask(pos, pos, spec)
+        if doc_ids is None
+        else token_mask(pos.expand(doc_ids.shape), pos.expand(doc_ids.shape), spec, doc_ids, doc_ids)
+    )
+    base = base if base.dim() == 3 else base[None]
+    return dense_attention_reference(q, k, v, mask & base[:, None], scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# work and balance (db-SP ρ_s, ALGORITHMS.md §15)
+
+
+def block_work(pattern: SparsePattern, owner: torch.Tensor, world: int) -> torch.Tensor:
+    """Score pairs the sparse kernel computes per head and (query rank, key rank): ``[H, world, world]``.
+
+    Args:
+        owner: ``[nB]`` rank that holds each block of G tokens (from the layout).
+        world: ring ranks. Summed over batch rows; a chosen block counts G², a bar column G per
+            query tile.
+    """
+    g, nb = pattern.block_size, pattern.slash.shape[-1]
+    owner = owner.to(pattern.slash.device)
+    blocks = torch.arange(nb, device=owner.device)
+    work = torch.zeros(pattern.num_heads, world * world, dtype=torch.float64, device=owner.device)
+    for h in range(pattern.num_heads):
+        for bi in range(pattern.batch):
+            for d in pattern.slash[bi, h].nonzero().squeeze(1).tolist():
+                a = blocks[d:]
+                work[h].index_add_(
+                    0,
+                    owner[a] * world + owner[a - d],
+                    torch.full(a.shape, float(g * g), dtype=torch.float64, device=owner.device),
+                )
+            cols = pattern.vertical[bi, h].nonzero().squeeze(1) // g  # block of each bar column
+            later = blocks[None, :] - cols[:, None]  # [nbar, nB] query block - column block
+            bar = (later > 0) & ~pattern.slash[bi, h][later.clamp(min=0)]
+            col_i, q_blk = bar.nonzero(as_tuple=True)
+            work[h].index_add_(
+                0,
+                owner[q_blk] * world + owner[cols[col_i]],
+                torch.full(q_blk.shape, float(g), dtype=torch.float64, device=owner.device),
+            )
+    return work.view(pattern.num_heads, world, world)
+
+
+def imbalance_ratio(work: torch.Tensor, head_groups: list[list[int]]) -> float:
+    """db-SP ρ_s of a ``[H, R, R]`` work matrix with the heads split into Ulysses groups.
+
+    ρ_s = max_k Σ_t max_i w[k, i, (i - t) mod R] / (Σ w / (U·R)): each ring step lasts as long as its
+    slowest rank; 1.0 = perfect balance.
+    """
+    r = work.shape[-1]
+    groups = torch.stack([work[g].sum(0) for g in head_groups])  # [U, R, R]
+    ranks = torch.arange(r)
+    steps = torch.stack([groups[:, ranks, (ranks - t) % r].amax(dim=-1) for t in range(r)], dim=-1)
+    ideal = float(work.sum()) / (len(head_groups) * r)
+    return float(steps.sum(-1).max()) / ideal if ideal > 0 else 1.0

@@ -1,0 +1,218 @@
+"""Sparse ring attention on gloo ranks vs the single-process dense reference under the same pattern.
+
+Every rank estimates the vertical-slash pattern from the whole q, k on its own (no communication),
+runs the dense-masked reference with it, then runs the distributed path - whose pattern is estimated
+from the shards with collectives - and compares its shard of out, dq, dk, dv. A pattern that differed
+would change the outputs, so the distributed estimation is checked too.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ds_seqpar
+from ds_seqpar import SeqParMesh, SequenceParallelConfig
+from ds_seqpar.layout import SeqLayout, doc_ids_from_cu_seqlens
+from ds_seqpar.ops.masks import MaskSpec
+from ds_seqpar.ops.sparse import VerticalSlashBudget, estimate_pattern, sparse_attention_reference
+from ds_seqpar.parallel.ring import RingPlan, WorkCounter, build_schedule, ring_attention
+from ds_seqpar.parallel.sparse_ring import budget_from_config, sparse_stats
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+B, D = 1, 8
+
+
+def _inputs(seq_len: int, h: int, h_kv: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(B, seq_len, heads, D, generator=g, dtype=torch.float64).to(dtype)
+        for heads in (h, h_kv, h_kv, h)
+    ]
+
+
+def _reference(q, k, v, dout, pattern, window, docs):
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out, _ = sparse_attention_reference(q64, k64, v64, pattern, spec=MaskSpec(window=window), doc_ids=docs)
+    out.backward(dout.double())
+    return out.detach(), q64.grad, k64.grad, v64.grad
+
+
+def _errors(layout, me, got: list[torch.Tensor], ref: list[torch.Tensor]) -> dict[str, float]:
+    return {
+        name: (g.double() - layout.shard(r, me)).abs().max().item()
+        for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref, strict=True)
+    }
+
+
+_MESHES: dict[tuple, SeqParMesh] = {}  # per spawned rank: one mesh per factorisation
+
+
+def _mesh(world: int, u: int, inner: int | None) -> SeqParMesh:
+    if (world, u, inner) not in _MESHES:
+        _MESHES[(world, u, inner)] = SeqParMesh.build(world, u, inner)
+    return _MESHES[(world, u, inner)]
+
+
+def run_ring_cases(cases: list[dict]) -> list[dict]:
+    """The ring engine with a sparse plan (pattern given), any layout, single or double ring."""
+    results = []
+    world = dist.get_world_size()
+    for case in cases:
+        mesh = _mesh(world, 1, case.get("inner"))
+        layout = SeqLayout(case["layout"], world, case.get("granularity", 1))
+        seq_len, dtype = case["seq_len"], case["dtype"]
+        q, k, v, dout = _inputs(seq_len, case["h"], case["h_kv"], dtype, case["seed"])
+        budget = VerticalSlashBudget(0.05, 0.05, case["block"], last_q=16, sink_tokens=2, local_diagonals=4)
+        pos = torch.arange(seq_len)
+        pattern = estimate_pattern(q, k, pos, pos, seq_len, budget)
+        docs = doc_ids_from_cu_seqlens(case["cu_seqlens"], seq_len) if case.get("cu_seqlens") else None
+        ref = _reference(q, k, v, dout, pattern, case.get("window"), docs)
+        me = mesh.coords.ring_rank
+        ql, kl, vl = (layout.shard(t, me).detach().clone().requires_grad_() for t in (q, k, v))
+        work = WorkCounter()
+        plan = RingPlan(
+            build_schedule(mesh, "p2p"),
+            layout,
+            MaskSpec(window=case.get("window")),
+            docs,
+            work=work,
+            sparse=pattern,
+        )
+        out, _ = ring_attention(ql, kl, vl, plan)
+        out.backward(layout.shard(dout, me))
+        results.append(
+            {
+                "errors": _errors(layout, me, [out, ql.grad, kl.grad, vl.grad], ref),
+                "pairs": work.forward_pairs,
+            }
+        )
+    return results
+
+
+def run_usp_cases(cases: list[dict]) -> list[dict]:
+    """``ds_seqpar.attention`` with ``attention: "sparse_ring"``: estimation, balancing, Ulysses, ring."""
+    results = []
+    world = dist.get_world_size()
+    for case in cases:
+        sparse = dict(vertical=0.05, slash=0.05, block_size=case["block"], last_q=16, sink_tokens=2)
+        sparse.update(local_diagonals=4, balancing=case["balancing"])
+        ring = {"inner_size": case.get("inner")}
+        if case["balancing"] == "none":
+            ring["layout"] = case["layout"]
+        cfg = SequenceParallelConfig(
+            size=world, ulysses_degree=case["u"], attention="sparse_ring", ring=ring, sparse=sparse
+        )
+        mesh = _mesh(world, case["u"], case.get("inner"))
+        mesh.config = cfg
+        layout = ds_seqpar.input_layout(mesh)
+        seq_len, dtype = case["seq_len"], case["dtype"]
+        q, k, v, dout = _inputs(seq_len, case["h"], case["h_kv"], dtype, case["seed"])
+        pos = torch.arange(seq_len)
+        pattern = estimate_pattern(q, k, pos, pos, seq_len, budget_from_config(cfg.sparse))
+        docs = doc_ids_from_cu_seqlens(case["cu_seqlens"], seq_len) if case.get("cu_seqlens") else None
+        ref = _reference(q, k, v, dout, pattern, case.get("window"), docs)
+        me = mesh.coords.sp_rank
+        ql, kl, vl = (layout.shard(t, me).detach().clone().requires_grad_() for t in (q, k, v))
+        out = ds_seqpar.attention(ql, kl, vl, mesh=mesh, window=case.get("window"), doc_ids=docs, layer=3)
+        out.backward(layout.shard(dout, me))
+        stats = sparse_stats(mesh)[3]
+        results.append(
+            {
+                "errors": _errors(layout, me, [out, ql.grad, kl.grad, vl.grad], ref),
+                "rho_s": stats.rho_s,
+                "density": stats.density,
+                "head_order": stats.head_order,
+            }
+        )
+    return results
+
+
+def _check(cases: list[dict], results: list[list[dict]]) -> None:
+    for i, case in enumerate(cases):
+        for rank, per_rank in enumerate(results):
+            errors = per_rank[i]["errors"]
+            assert all(e <= TOL[case["dtype"]] for e in errors.values()), f"{case} rank {rank}: {errors}"
+
+
+def _ring_cases(p: int) -> list[dict]:
+    cases = []
+    for layout, dtype, h_kv in itertools.product(("stripe", "zigzag", "contiguous"), TOL, (4, 2)):
+        cases.append(
+            dict(
+                layout=layout,
+                granularity=8 if layout == "stripe" else 1,
+                block=8,
+                dtype=dtype,
+                h=4,
+                h_kv=h_kv,
+            )
+        )
+    cases.append(
+        dict(layout="stripe", granularity=1, block=8, dtype=torch.float64, h=4, h_kv=2)
+    )  # token stripes
+    cases.append(dict(layout="stripe", granularity=8, block=8, dtype=torch.float64, h=4, h_kv=1, window=40))
+    cases.append(
+        dict(
+            layout="zigzag",
+            block=8,
+            dtype=torch.float64,
+            h=4,
+            h_kv=2,
+            cu_seqlens=[0, 9, 16 * p + 3, 32 * p - 5],
+        )
+    )
+    if p == 8:
+        cases += [dict(layout="stripe", granularity=8, block=8, dtype=dt, h=4, h_kv=2, inner=4) for dt in TOL]
+        cases.append(dict(layout="zigzag", block=8, dtype=torch.float64, h=4, h_kv=2, inner=2))
+    for i, case in enumerate(cases):
+        case.update(seq_len=32 * p, seed=i)
+    return cases
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_sparse_ring_matches_reference(dist_pool, p):
+    cases = _ring_cases(p)
+    _check(cases, dist_pool(p).run(run_ring_cases, cases))
+
+
+def _usp_cases(p: int) -> list[dict]:
+    cases = []
+    for u, balancing, dtype in itertools.product(
+        [d for d in (1, 2, 4) if p % d == 0], ("stripe", "dbsp"), TOL
+    ):
+        cases.append(dict(u=u, balancing=balancing, dtype=dtype, h=8, h_kv=4 if u < 8 else 8))
+    cases.append(dict(u=2, balancing="none", layout="zigzag", dtype=torch.float64, h=8, h_kv=2))
+    cases.append(dict(u=1, balancing="none", layout="contiguous", dtype=torch.float32, h=4, h_kv=4))
+    cases.append(
+        dict(
+            u=2,
+            balancing="dbsp",
+            dtype=torch.float64,
+            h=8,
+            h_kv=8,
+            window=24,
+            cu_seqlens=[0, 5, 8 * p + 1, 16 * p - 3],
+        )
+    )
+    if p == 8:
+        cases.append(dict(u=2, inner=2, balancing="stripe", dtype=torch.float64, h=8, h_kv=4))
+        cases.append(dict(u=1, inner=4, balancing="dbsp", dtype=torch.float32, h=4, h_kv=2))
+    for i, case in enumerate(cases):
+        case.update(seq_len=16 * p, block=4, seed=100 + i)
+    return cases
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_sparse_usp_matches_reference(dist_pool, p):
+    cases = _usp_cases(p)
+    results = dist_pool(p).run(run_usp_cases, cases)
+    _check(cases, results)
+    for i, case in enumerate(cases):
+        per_rank = [r[i] for r in results]
+        assert all(r["rho_s"] == per_rank[0]["rho_s"] and r["rho_s"] >= 1.0 - 1e-12 for r in per_rank), case
+        assert 0.0 < per_rank[0]["density"] <= 1.0
+        assert sorted(per_rank[0]["head_order"]) == list(range(case["h"]))
