@@ -6,7 +6,8 @@ Public API (more arrives with the attention, data and engine modules):
 * :class:`SeqParMesh` / :func:`plan_mesh`: process groups and coordinates (world = dp x sp).
 * :class:`CommStats`: bytes and messages per collective kind, per rank.
 * :func:`attention`: exact attention over the SP group (USP / Ulysses / ring, per the config);
-  :func:`input_layout`: the token layout the data side shards with.
+  :func:`input_layout`: the token layout the data side shards with; :func:`sparse_stats`: per-layer
+  imbalance ratio and density of ``attention: "sparse_ring"``.
 * :func:`initialize`: ``deepspeed.initialize`` with the section honoured (mesh, mpu, HF attention
   routing, SP loss, sharding DataLoader); :class:`SeqParCausalLM`, :func:`shard_batch`,
   :func:`seqpar_dataloader`, :func:`sp_causal_lm_loss` are its parts.
@@ -23,6 +24,7 @@ from ds_seqpar.integrations.transformers import (
 )
 from ds_seqpar.loss import sp_causal_lm_loss
 from ds_seqpar.mesh import DeepSpeedMPU, MeshCoords, MeshPlan, SeqParMesh, plan_mesh
+from ds_seqpar.parallel.sparse_ring import SparseLayerStats, sparse_stats
 from ds_seqpar.parallel.usp import attention, input_layout
 
 install_deepspeed_guard()  # plain deepspeed.initialize refuses configs with a sequence_parallel section
@@ -41,6 +43,7 @@ __all__ = [
     "SeqParMesh",
     "SeqParTrainer",
     "SequenceParallelConfig",
+    "SparseLayerStats",
     "__version__",
     "attention",
     "disable_sequence_parallel",
@@ -54,6 +57,7 @@ __all__ = [
     "sequence_parallel_scope",
     "shard_batch",
     "sp_causal_lm_loss",
+    "sparse_stats",
 ]
 
 

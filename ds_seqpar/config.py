@@ -115,7 +115,7 @@ class SparseConfig(_Section):
         0.02, description="Slash diagonals kept per head: a count (int) or a fraction of S (float in (0, 1])."
     )
     block_size: StrictInt = Field(
-        64, ge=1, description="Block (tile) size G in tokens: diagonals run as G x G blocks; stripe width."
+        128, ge=1, description="Block (tile) size G in tokens: diagonals run as G x G blocks; stripe width."
     )
     last_q: StrictInt = Field(
         64, ge=1, description="Last queries of the sequence used to estimate the pattern."

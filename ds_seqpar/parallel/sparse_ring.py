@@ -101,7 +101,7 @@ def balance_heads(head_work: torch.Tensor, num_kv_heads: int, degree: int) -> li
     return [g * group + i for rank_groups in assigned for g in sorted(rank_groups) for i in range(group)]
 
 
-def _block_owner(layout: SeqLayout, seq_len: int, block_size: int) -> torch.Tensor | None:
+def block_owner(layout: SeqLayout, seq_len: int, block_size: int) -> torch.Tensor | None:
     """Ring rank holding each block of G tokens, or None when the layout splits blocks across ranks."""
     owner = torch.full((seq_len,), -1, dtype=torch.long)
     for r in range(layout.world):
@@ -121,7 +121,7 @@ def _record_stats(
     layer: int | None,
 ) -> None:
     """ρ_s and density of the scheduled work (pattern in the permuted head order)."""
-    owner = _block_owner(layout, pattern.seq_len, pattern.block_size)
+    owner = block_owner(layout, pattern.seq_len, pattern.block_size)
     if owner is None:
         return
     work = block_work(pattern, owner, layout.world)
@@ -179,7 +179,7 @@ def sparse_attention(
         )
     order = None
     if sparse_cfg.balancing == "dbsp":
-        owner = _block_owner(layout.ring, seq_len, pattern.block_size)
+        owner = block_owner(layout.ring, seq_len, pattern.block_size)
         if owner is not None:
             order = balance_heads(
                 block_work(pattern, owner, layout.ring.world).sum((1, 2)), h_kv, mesh.ulysses_size
