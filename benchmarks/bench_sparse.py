@@ -12,7 +12,8 @@ slash = 0.035·S, which keeps about 10 % of the causal pairs at S = 32k: 90 % sp
 
 1. ρ_s (db-SP, ALGORITHMS.md §15) of the estimated pattern at P = 4 and P = 8 for the contiguous and
    zigzag rings (``balancing: none``), block stripes (``stripe``) and stripes + head balancing
-   (``dbsp``), at U x R = 1 x P and 2 x P/2 (computed from the pattern and layout; no ranks needed).
+   (``dbsp``: head permutation + block reassignment), at U x R = 1 x P and 2 x P/2 (computed by the
+   layer's own planning code, ``plan_balance`` / ``balance_stats``; no ranks needed).
 2. At P = world (4): fwd+bwd time of dense USP (zigzag) and of sparse_ring with each balancing, all at
    U x R = 2 x 2, with the measured per-rank work balance (max / mean of computed score pairs).
 Prints markdown tables on rank 0 and saves ``benchmarks/results/sparse_cpu.json`` and ``.md``.
@@ -29,10 +30,11 @@ import torch.distributed as dist
 import ds_seqpar
 from benchmarks.common import RESULTS, gather_floats, save_results, slowest_rank_median
 from ds_seqpar import SeqParMesh, SequenceParallelConfig
+from ds_seqpar.comm.all_to_all import HeadPlan
 from ds_seqpar.layout import SeqLayout
-from ds_seqpar.ops.sparse import block_work, estimate_pattern, imbalance_ratio
+from ds_seqpar.ops.sparse import estimate_pattern
 from ds_seqpar.parallel.ring import WorkCounter
-from ds_seqpar.parallel.sparse_ring import balance_heads, block_owner, budget_from_config
+from ds_seqpar.parallel.sparse_ring import balance_stats, budget_from_config, plan_balance
 
 H, D, BLOCK = 8, 64, 128
 SPARSE = {"vertical": 0.02, "slash": 0.035, "block_size": BLOCK}
@@ -64,31 +66,29 @@ def workload(seq_len: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def rho_rows(pattern, seq_len: int) -> list[dict]:
-    """ρ_s of ``pattern`` for each (P, U x R, balancing)."""
+    """ρ_s of ``pattern`` for each (P, U x R, balancing), from the same planning code the layer runs."""
     rows = []
-    head_work_cache = {}
     for p in (4, 8):
         for u in (1, 2):
             r = p // u
-            layouts = {
-                "none (contiguous)": SeqLayout("contiguous", r),
-                "none (zigzag)": SeqLayout("zigzag", r),
-                "stripe": SeqLayout("stripe", r, BLOCK),
-                "dbsp": SeqLayout("stripe", r, BLOCK),
+            heads = HeadPlan.build(H, H, u)
+            runs = {
+                "none (contiguous)": ("none", SeqLayout("contiguous", r)),
+                "none (zigzag)": ("none", SeqLayout("zigzag", r)),
+                "stripe": ("stripe", SeqLayout("stripe", r, BLOCK)),
+                "dbsp": ("dbsp", SeqLayout("stripe", r, BLOCK)),
             }
-            for name, layout in layouts.items():
-                owner = block_owner(layout, seq_len, BLOCK)
-                work = block_work(pattern, owner, r)
-                order = list(range(H))
-                if name == "dbsp":
-                    key = (p, u)
-                    if key not in head_work_cache:
-                        head_work_cache[key] = balance_heads(work.sum((1, 2)), H, u) or order
-                    order = head_work_cache[key]
-                size = H // u
-                groups = [order[i * size : (i + 1) * size] for i in range(u)]
+            for name, (balancing, layout) in runs.items():
+                plan = plan_balance(pattern, layout, seq_len, H, heads, balancing)
+                stats = balance_stats(pattern, plan, layout, None)
                 rows.append(
-                    {"P": p, "UxR": f"{u}x{r}", "balancing": name, "rho_s": imbalance_ratio(work, groups)}
+                    {
+                        "P": p,
+                        "UxR": f"{u}x{r}",
+                        "balancing": name,
+                        "rho_s": stats.rho_s,
+                        "moved": stats.blocks_moved,
+                    }
                 )
     return rows
 
@@ -117,6 +117,7 @@ def timed(mesh: SeqParMesh, q, k, v, dout, reps: int) -> dict:
         "rho_s": stats.rho_s if stats else float("nan"),
         "MiB": step.region.total_bytes / 2**20,
         "S": seq_len,
+        "moved": stats.blocks_moved if stats else 0,
     }
 
 
@@ -203,6 +204,7 @@ def main() -> None:
                 ("density", "density", ".4f"),
                 ("rho_s", "rho_s", ".3f"),
                 ("measured work max/mean", "work_balance", ".3f"),
+                ("blocks moved", "moved", "d"),
                 ("MiB/rank", "MiB", ".1f"),
             ],
         )

@@ -270,6 +270,8 @@ class _Log:
         if self.rank != 0:
             return
         text = f"loss {row['loss']:.4f} | {row['tokens_per_s']:.0f} tok/s | S {row['seq_len']} | comm {row['comm_MiB']:.1f} MiB"
+        if "sparse_rho_s_max" in row:
+            text += f" | sparse density {row['sparse_density']:.3f}, rho_s {row['sparse_rho_s_max']:.2f}"
         if self.bar is not None:
             self.bar.set_postfix_str(text)
             self.bar.update(1)
@@ -285,6 +287,22 @@ class _Log:
             self.bar.close()
         if self.file is not None:
             self.file.close()
+
+
+def _sparse_metrics(mesh: Any) -> dict[str, float]:
+    """Worst imbalance ratio and mean density over the sparse layers of the last step (sparse_ring only)."""
+    import ds_seqpar
+
+    stats = ds_seqpar.sparse_stats(mesh)
+    if not stats:
+        return {}
+    values = list(stats.values())
+    stats.clear()  # the next step reports its own layers (dense warm-up steps report none)
+    return {
+        "sparse_rho_s_max": max(v.rho_s for v in values),
+        "sparse_density": sum(v.density for v in values) / len(values),
+        "sparse_layers": len(values),
+    }
 
 
 def _evaluate(engine: Any, loader: Any) -> dict[str, float]:
@@ -329,7 +347,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     model = _build_model(args)
     ds_config = dict(args.ds_config_dict)
-    ds_config["sequence_parallel"] = args.section.model_dump()
+    ds_config["sequence_parallel"] = args.section.model_dump(
+        exclude_unset=True
+    )  # re-parsed: keep "unset" unset
     lr = (
         args.lr
         if args.lr is not None
@@ -365,7 +385,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         start = int(client["step"])
     log = _Log(args, rank, start)
     log.say(
-        f"ds_seqpar: {mesh.describe()} | {args.section.attention}, layout {args.section.ring.layout}, "
+        f"ds_seqpar: {mesh.describe()} | {args.section.attention}, layout {args.section.ring_layout[0]}, "
         f"S={args.seq_len}, {mesh.sp_size} ranks per sequence, lr {engine.optimizer.param_groups[0]['lr']:g}, "
         f"output in {out_dir}"
     )
@@ -383,6 +403,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             batches = _batches(loader_for(dataset, shuffle=args.data is not None), skip=step - phase_start)
         while step < phase_end:
             batch = next(batches)
+            engine.module.step = step  # sparse.dense_warmup_steps counts optimizer steps
             t0 = time.perf_counter()
             with mesh.comm_stats.measure() as comm:
                 loss = engine(**batch)
@@ -399,6 +420,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "seq_len": batch["seq_len"],
                     "comm_MiB": comm.total_bytes / 2**20,
                     "step_time_s": dt,
+                    **_sparse_metrics(mesh),
                 }
             )
             if args.save_every and step % args.save_every == 0 and step < args.max_steps:

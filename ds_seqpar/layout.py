@@ -195,6 +195,63 @@ class UspLayout(_PositionLayout):
         return shard.chunk(self.ulysses)[ulysses_rank]
 
 
+@dataclass(frozen=True)
+class BlockLayout(_PositionLayout):
+    """An explicit assignment of G-token blocks to ranks (db-SP block balancing): rank r holds
+    ``blocks[r]`` (increasing block ids), every rank the same number of blocks.
+
+    Built at run time from a sparse pattern (``parallel/sparse_ring.py``); data never arrives in this
+    layout, it is reached by one all-to-all from the input layout (``comm/relayout.py``).
+    """
+
+    blocks: tuple[tuple[int, ...], ...]
+    block_size: int
+    kind: str = "blocks"
+
+    def __post_init__(self) -> None:
+        counts = {len(b) for b in self.blocks}
+        flat = sorted(i for b in self.blocks for i in b)
+        if (
+            len(counts) != 1
+            or flat != list(range(len(flat)))
+            or any(list(b) != sorted(b) for b in self.blocks)
+        ):
+            raise LayoutError(
+                "BlockLayout needs every block id 0..nB-1 exactly once, sorted per rank, with equal counts per rank"
+            )
+
+    @property
+    def world(self) -> int:  # type: ignore[override]
+        return len(self.blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(b) for b in self.blocks)
+
+    @property
+    def multiple(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def check_length(self, seq_len: int) -> None:
+        if seq_len != self.multiple:
+            raise LayoutError(
+                f"sequence length {seq_len} does not match this block layout of {self.num_blocks} blocks x "
+                f"{self.block_size} tokens = {self.multiple}"
+            )
+
+    def local_positions(self, seq_len: int, rank: int) -> torch.Tensor:
+        self.check_length(seq_len)
+        if not 0 <= rank < self.world:
+            raise LayoutError(
+                f"rank={rank} is outside the layout's {self.world} ranks; valid: 0..{self.world - 1}"
+            )
+        blocks = torch.tensor(self.blocks[rank], dtype=torch.long)
+        return (blocks[:, None] * self.block_size + torch.arange(self.block_size)[None, :]).reshape(-1)
+
+    def segments(self, seq_len: int) -> list[tuple[int, int]]:
+        return [(0, seq_len // self.world)]
+
+
 def _check_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int], seq_len: int) -> torch.Tensor:
     cu = torch.as_tensor(cu_seqlens, dtype=torch.int64).reshape(-1)
     if cu.numel() < 2 or cu[0].item() != 0:

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from ds_seqpar import SeqParConfigError, SequenceParallelConfig
-from ds_seqpar.layout import SeqLayout, doc_ids_from_cu_seqlens
+from ds_seqpar.layout import BlockLayout, SeqLayout, doc_ids_from_cu_seqlens
 from ds_seqpar.ops.masks import MaskSpec
 from ds_seqpar.ops.merge import merge_attn_
 from ds_seqpar.ops.sparse import (
     SparsePattern,
     VerticalSlashBudget,
+    block_row_work,
     block_work,
     diagonals_to_blocks,
     estimate_pattern,
@@ -23,7 +24,7 @@ from ds_seqpar.ops.sparse import (
     sparse_attn_forward,
 )
 from ds_seqpar.parallel.activation import sparse_layer_active
-from ds_seqpar.parallel.sparse_ring import balance_heads, block_owner
+from ds_seqpar.parallel.sparse_ring import balance_blocks, balance_heads, block_owner
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 CAUSAL = MaskSpec()
@@ -289,3 +290,23 @@ def test_sparse_config_accepts_balancing_none_with_any_layout():
         sparse={"balancing": "none", "block_size": 32},
     )
     assert cfg.ring_layout == ("zigzag", 1)
+
+
+def test_block_row_work_sums_to_block_work_and_balance_blocks_evens_load():
+    s, g = 512, 16
+    q, k, _, _ = _qkv(1, s, 4, 4, 8, torch.float64, seed=13)
+    pos = torch.arange(s)
+    pattern = estimate_pattern(q, k, pos, pos, s, _budget(g))
+    rows = block_row_work(pattern)
+    stripe = block_owner(SeqLayout("stripe", 4, g), s, g)
+    assert float(rows.sum()) == pytest.approx(float(block_work(pattern, stripe, 4).sum()))
+    owner = balance_blocks(rows, stripe, 4, reward=0.0)
+    assert torch.bincount(owner, minlength=4).tolist() == [8, 8, 8, 8]  # equal counts
+    loads = torch.zeros(4, dtype=torch.float64).index_add_(0, owner, rows)
+    assert float(loads.max() - loads.min()) <= float(rows.max())  # LPT: within one block of even
+    # a strong home bonus keeps already even blocks home
+    assert torch.equal(balance_blocks(torch.ones(32), stripe, 4, reward=10.0), stripe)
+    layout = BlockLayout(tuple(tuple((owner == r).nonzero().squeeze(1).tolist()) for r in range(4)), g)
+    assert torch.equal(block_owner(layout, s, g), owner)
+    with pytest.raises(ValueError, match="exactly once"):
+        BlockLayout(((0, 1), (1, 2)), g)

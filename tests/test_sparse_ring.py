@@ -16,9 +16,11 @@ import torch.distributed as dist
 
 import ds_seqpar
 from ds_seqpar import SeqParMesh, SequenceParallelConfig
-from ds_seqpar.layout import SeqLayout, doc_ids_from_cu_seqlens
+from ds_seqpar.comm.relayout import relayout
+from ds_seqpar.layout import BlockLayout, SeqLayout, doc_ids_from_cu_seqlens
 from ds_seqpar.ops.masks import MaskSpec
 from ds_seqpar.ops.sparse import VerticalSlashBudget, estimate_pattern, sparse_attention_reference
+from ds_seqpar.parallel import sparse_ring
 from ds_seqpar.parallel.ring import RingPlan, WorkCounter, build_schedule, ring_attention
 from ds_seqpar.parallel.sparse_ring import budget_from_config, sparse_stats
 
@@ -63,7 +65,8 @@ def run_ring_cases(cases: list[dict]) -> list[dict]:
     world = dist.get_world_size()
     for case in cases:
         mesh = _mesh(world, 1, case.get("inner"))
-        layout = SeqLayout(case["layout"], world, case.get("granularity", 1))
+        layout = _random_blocks(world, case["seq_len"], case["block"]) if case["layout"] == "blocks" else None
+        layout = layout or SeqLayout(case["layout"], world, case.get("granularity", 1))
         seq_len, dtype = case["seq_len"], case["dtype"]
         q, k, v, dout = _inputs(seq_len, case["h"], case["h_kv"], dtype, case["seed"])
         budget = VerticalSlashBudget(0.05, 0.05, case["block"], last_q=16, sink_tokens=2, local_diagonals=4)
@@ -93,11 +96,52 @@ def run_ring_cases(cases: list[dict]) -> list[dict]:
     return results
 
 
+def _random_blocks(world: int, seq_len: int, block: int, seed: int = 0) -> BlockLayout:
+    perm = torch.randperm(seq_len // block, generator=torch.Generator().manual_seed(seed))
+    return BlockLayout(tuple(tuple(sorted(c.tolist())) for c in perm.chunk(world)), block)
+
+
+def run_relayout_cases(cases: list[dict]) -> list[float]:
+    """stripe -> random BlockLayout -> back: values land where the destination layout says; grads too."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    mesh = _mesh(world, 1, None)
+    errors = []
+    for case in cases:
+        seq_len, block = case["seq_len"], case["block"]
+        src, dst = SeqLayout("stripe", world, block), _random_blocks(world, seq_len, block, case["seed"])
+        g = torch.Generator().manual_seed(case["seed"])
+        x, w = torch.randn(2, seq_len, 3, 4, generator=g), torch.randn(2, seq_len, 3, 4, generator=g)
+        y = torch.randn(2, seq_len, 5, generator=g)
+        xl, yl = src.shard(x, me).requires_grad_(), src.shard(y, me)
+        moved_x, moved_y = relayout((xl, yl), src, dst, mesh.group("ring"), me, mesh.comm_stats)
+        (moved_x * dst.shard(w, me)).sum().backward()
+        (back,) = relayout((moved_x,), dst, src, mesh.group("ring"), me)
+        errors.append(
+            max(
+                (moved_x - dst.shard(x, me)).abs().max().item(),
+                (moved_y - dst.shard(y, me)).abs().max().item(),
+                (back - xl).abs().max().item(),
+                (xl.grad - src.shard(w, me)).abs().max().item(),
+            )
+        )
+    return errors
+
+
+def test_relayout_moves_rows_and_gradients(dist_pool):
+    cases = [dict(seq_len=64, block=4, seed=s) for s in range(3)] + [dict(seq_len=48, block=2, seed=7)]
+    for per_rank in dist_pool(4).run(run_relayout_cases, cases):
+        assert max(per_rank) == 0.0
+
+
 def run_usp_cases(cases: list[dict]) -> list[dict]:
     """``ds_seqpar.attention`` with ``attention: "sparse_ring"``: estimation, balancing, Ulysses, ring."""
     results = []
     world = dist.get_world_size()
     for case in cases:
+        # force_blocks: accept any db-SP block move, so the relayout path runs even when gains are small
+        force = case.get("force_blocks", False)
+        sparse_ring.BLOCK_BALANCE_MIN_GAIN = float("-inf") if force else 0.01
+        sparse_ring.BLOCK_BALANCE_REWARD = 0.0 if force else 1.0
         sparse = dict(vertical=0.05, slash=0.05, block_size=case["block"], last_q=16, sink_tokens=2)
         sparse.update(local_diagonals=4, balancing=case["balancing"])
         ring = {"inner_size": case.get("inner")}
@@ -126,6 +170,7 @@ def run_usp_cases(cases: list[dict]) -> list[dict]:
                 "rho_s": stats.rho_s,
                 "density": stats.density,
                 "head_order": stats.head_order,
+                "blocks_moved": stats.blocks_moved,
             }
         )
     return results
@@ -198,7 +243,12 @@ def _usp_cases(p: int) -> list[dict]:
             cu_seqlens=[0, 5, 8 * p + 1, 16 * p - 3],
         )
     )
+    cases.append(dict(u=1, balancing="dbsp", force_blocks=True, dtype=torch.float64, h=4, h_kv=2))
+    cases.append(dict(u=2, balancing="dbsp", force_blocks=True, dtype=torch.float32, h=8, h_kv=4, window=20))
     if p == 8:
+        cases.append(
+            dict(u=2, inner=2, balancing="dbsp", force_blocks=True, dtype=torch.float64, h=8, h_kv=4)
+        )
         cases.append(dict(u=2, inner=2, balancing="stripe", dtype=torch.float64, h=8, h_kv=4))
         cases.append(dict(u=1, inner=4, balancing="dbsp", dtype=torch.float32, h=4, h_kv=2))
     for i, case in enumerate(cases):
@@ -216,3 +266,5 @@ def test_sparse_usp_matches_reference(dist_pool, p):
         assert all(r["rho_s"] == per_rank[0]["rho_s"] and r["rho_s"] >= 1.0 - 1e-12 for r in per_rank), case
         assert 0.0 < per_rank[0]["density"] <= 1.0
         assert sorted(per_rank[0]["head_order"]) == list(range(case["h"]))
+        if case.get("force_blocks") and p > 2:
+            assert per_rank[0]["blocks_moved"] > 0, case  # the BlockLayout + relayout path really ran

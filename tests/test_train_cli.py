@@ -184,3 +184,22 @@ def test_passkey_rows_hide_the_answer_from_the_questions():
         )  # answers are labels, not inputs
         assert bool((labels[questions + 1] == key).all())
     assert len(starts) > 10  # the position varies: no fixed offset to learn
+
+
+def test_sparse_ring_config_trains_with_dense_warmup(dist_pool, tmp_path):
+    """ds_configs/sparse_ring_zero3.json (resized): step 1 dense (warm-up), then sparse with rho_s logged."""
+    config = json.loads((DEFAULT_CONFIG.parent / "sparse_ring_zero3.json").read_text())
+    section = config["sequence_parallel"]
+    section.update(size=2, ulysses_degree=1)
+    section["sparse"].update(block_size=32, dense_warmup_steps=1, last_q=16, local_diagonals=8)
+    path = tmp_path / "sparse.json"
+    path.write_text(json.dumps(config))
+    argv = ["--ds_config", str(path), "--seq-len", "256", "--max-steps", "3", "--eval-every", "0"]
+    argv += ["--eval-samples", "1", "--no-progress", "--no-export", "--output-dir", str(tmp_path / "sparse")]
+    rows = [r for r in dist_pool(2).run(run_cli, argv)[0] if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert "sparse_rho_s_max" not in rows[0]  # dense warm-up step
+    for row in rows[1:]:
+        assert row["sparse_layers"] == 2 and row["sparse_rho_s_max"] >= 1.0
+        assert 0.0 < row["sparse_density"] < 1.0
+        assert torch.isfinite(torch.tensor(row["loss"]))

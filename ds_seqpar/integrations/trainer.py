@@ -98,6 +98,9 @@ class SeqParTrainer(Trainer):
         return_outputs: bool = False,
         num_items_in_batch: Any = None,
     ) -> Any:
+        wrapped = getattr(model, "module", model)
+        if hasattr(wrapped, "step"):
+            wrapped.step = self.state.global_step  # sparse.dense_warmup_steps counts optimizer steps
         loss = model(**inputs)
         return (loss, None) if return_outputs else loss
 

@@ -40,6 +40,7 @@ class SeqParContext:
     mesh: SeqParMesh
     doc_ids: torch.Tensor | None = None
     work: WorkCounter | None = None
+    step: int = 0
     calls: int = field(default=0)
 
 
@@ -83,6 +84,8 @@ def seqpar_attention_forward(
         window=sliding_window,
         doc_ids=ctx.doc_ids,
         work=ctx.work,
+        layer=getattr(module, "layer_idx", None),
+        step=ctx.step,
     )
     ctx.calls += 1
     return out, None
@@ -138,6 +141,9 @@ class SeqParCausalLM(torch.nn.Module):
     ``ds_seqpar.data.shard_batch`` and returns the token-weighted loss of the SP group (see
     ``ds_seqpar.loss``); logits are computed in chunks and never materialised for the whole shard.
 
+    ``step`` (set by the training loop; ``train.py`` and ``SeqParTrainer`` do) is the optimizer step
+    that ``sequence_parallel.sparse.dense_warmup_steps`` counts.
+
     Args:
         model: a HuggingFace ``*ForCausalLM`` (its attention is switched to ``"ds_seqpar"``).
         mesh: the SP mesh.
@@ -155,6 +161,7 @@ class SeqParCausalLM(torch.nn.Module):
         self.loss_chunk_size = loss_chunk_size
         self.last_num_tokens: torch.Tensor | None = None
         self.work = WorkCounter()
+        self.step = 0  # training step, for sparse.dense_warmup_steps; the training loop sets it
 
     @property
     def config(self) -> Any:
@@ -164,7 +171,7 @@ class SeqParCausalLM(torch.nn.Module):
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor | None
     ) -> torch.Tensor:
         """Final hidden states ``[B, n, E]`` of this rank's tokens (every layer's attention over the group)."""
-        ctx = SeqParContext(self.mesh, doc_ids, self.work)
+        ctx = SeqParContext(self.mesh, doc_ids, self.work, self.step)
         base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.base_model
         hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False, **{CONTEXT_KEY: ctx})
         hidden = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]

@@ -43,6 +43,7 @@ ends with the same pattern. This module never calls a collective itself.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -57,6 +58,7 @@ __all__ = [
     "Reducer",
     "SparsePattern",
     "VerticalSlashBudget",
+    "block_row_work",
     "block_work",
     "estimate_pattern",
     "imbalance_ratio",
@@ -744,6 +746,20 @@ def block_work(pattern: SparsePattern, owner: torch.Tensor, world: int) -> torch
                 torch.full(q_blk.shape, float(g), dtype=torch.float64, device=owner.device),
             )
     return work.view(pattern.num_heads, world, world)
+
+
+def block_row_work(pattern: SparsePattern) -> torch.Tensor:
+    """Score pairs the kernel computes for the queries of each block, summed over rows and heads: ``[nB]``."""
+    g, nb = pattern.block_size, pattern.slash.shape[-1]
+    blocks = torch.arange(nb, device=pattern.slash.device)
+    work = torch.zeros(nb, dtype=torch.float64, device=pattern.slash.device)
+    for bi, h in itertools.product(range(pattern.batch), range(pattern.num_heads)):
+        for d in pattern.slash[bi, h].nonzero().squeeze(1).tolist():
+            work[d:] += float(g * g if d else g * (g + 1) // 2)
+        cols = pattern.vertical[bi, h].nonzero().squeeze(1) // g
+        later = blocks[None, :] - cols[:, None]
+        work += ((later > 0) & ~pattern.slash[bi, h][later.clamp(min=0)]).sum(0) * float(g)
+    return work
 
 
 def imbalance_ratio(work: torch.Tensor, head_groups: list[list[int]]) -> float:

@@ -7,16 +7,20 @@ Legend: P = U · R SP ranks, n = S / P tokens per rank, G = ``sparse.block_size`
          communicated: last queries [B, last_q, H, D] + scores [2, B, H, S] (all-reduce), pattern (broadcast)
       2. dbsp only: head permutation (greedy, equal head counts per Ulysses rank)
       3. Ulysses all-to-all                          q [B, S/R, h_u, D]
-      4. the ring engine with the sparse block kernel (``RingPlan(sparse=...)``), single or double ring
+      4. dbsp only: block reassignment within the ring group (all-to-all there and back, when it pays)
+         the ring engine with the sparse block kernel (``RingPlan(sparse=...)``), single or double ring
       5. inverse all-to-all (and inverse head permutation)   out [B, n, H, D]
 
 Balancing (``sparse.balancing``):
     stripe  block stripes of G tokens over the ring (MTraining's balanced sparse ring): every rank
             holds every region of the sequence, so sinks, verticals and near-diagonal blocks spread
             evenly over ranks and steps.
-    dbsp    stripes plus db-SP's head-level balancing: heads (whole GQA groups) are permuted before the
-            all-to-all so every Ulysses rank gets the same number of heads and nearly the same work
-            (longest-processing-time greedy). Needs H_kv % U == 0, otherwise heads stay in place.
+    dbsp    db-SP (§15), both levels. Heads: whole GQA groups are permuted before the all-to-all so every
+            Ulysses rank gets the same number of heads and nearly the same work (longest-processing-time
+            greedy; needs H_kv % U == 0, otherwise heads stay in place). Blocks: per ring group, blocks
+            are reassigned to ring ranks (greedy, equal counts, biased to stay on their stripe rank);
+            when that lowers ρ_s by more than 0.01 the group moves q/k/v into that ``BlockLayout`` with
+            one all-to-all over the ring and the output back with another (``comm/relayout.py``).
     none    the configured ring layout (contiguous or zigzag), no permutation: the unbalanced baseline.
 
 After every sparse layer the imbalance ratio ρ_s (db-SP) of the work actually scheduled is
@@ -31,12 +35,14 @@ import torch
 
 from ds_seqpar.comm.all_to_all import HeadPlan
 from ds_seqpar.comm.reduce import GroupReducer
-from ds_seqpar.layout import SeqLayout
+from ds_seqpar.comm.relayout import relayout
+from ds_seqpar.layout import BlockLayout, SeqLayout
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.masks import MaskSpec
 from ds_seqpar.ops.sparse import (
     SparsePattern,
     VerticalSlashBudget,
+    block_row_work,
     block_work,
     estimate_pattern,
     imbalance_ratio,
@@ -45,6 +51,8 @@ from ds_seqpar.parallel.ring import RingPlan, WorkCounter, ring_attention
 from ds_seqpar.parallel.ulysses import gather_heads, scatter_heads
 
 STATS_KEY = "sparse_stats"
+BLOCK_BALANCE_MIN_GAIN = 0.01  # db-SP block moves must lower rho_s by this much to pay for two all-to-alls
+BLOCK_BALANCE_REWARD = 1.0  # bonus (x the block's work) for keeping a block on its stripe rank
 
 
 @dataclass(frozen=True)
@@ -53,13 +61,15 @@ class SparseLayerStats:
 
     ``rho_s``: db-SP imbalance ratio of the scheduled work (1.0 = perfect); ``density``: fraction of
     the causal score pairs computed (1 - sparsity, over all heads); ``head_order``: query heads in
-    the order they were split over the Ulysses ranks.
+    the order they were split over the Ulysses ranks; ``blocks_moved``: blocks that db-SP block
+    balancing moved away from their stripe rank, summed over the ring groups (0 = stripes kept).
     """
 
     layer: int | None
     rho_s: float
     density: float
     head_order: tuple[int, ...]
+    blocks_moved: int = 0
 
 
 def sparse_stats(mesh: SeqParMesh) -> dict[int | None, SparseLayerStats]:
@@ -101,6 +111,48 @@ def balance_heads(head_work: torch.Tensor, num_kv_heads: int, degree: int) -> li
     return [g * group + i for rank_groups in assigned for g in sorted(rank_groups) for i in range(group)]
 
 
+def balance_blocks(
+    row_work: torch.Tensor, home: torch.Tensor, world: int, reward: float = 1.0
+) -> torch.Tensor:
+    """db-SP block-level balancing: an owner rank per block, equal counts per rank.
+
+    Blocks go heaviest first to the rank with the least load that still has room; a block's current
+    (home) rank gets a bonus of ``reward`` x its work, so blocks stay home unless moving one evens the
+    load (fewer rows to move). Returns ``[nB]`` ranks.
+    """
+    nb = row_work.numel()
+    per_rank = nb // world
+    load = [0.0] * world
+    count = [0] * world
+    owner = torch.empty(nb, dtype=torch.long)
+    for a in torch.argsort(row_work, descending=True, stable=True).tolist():
+        w, h = float(row_work[a]), int(home[a])
+        rank = min(
+            (r for r in range(world) if count[r] < per_rank),
+            key=lambda r: load[r] - (reward * w if r == h else 0.0),
+        )
+        owner[a] = rank
+        load[rank] += w
+        count[rank] += 1
+    return owner
+
+
+def _group_layout(pattern: SparsePattern, ring: SeqLayout, seq_len: int) -> object:
+    """db-SP block balancing of one ring group (its heads' pattern): a ``BlockLayout`` when it lowers
+    ρ_s by more than ``BLOCK_BALANCE_MIN_GAIN``, else the stripe layout unchanged."""
+    home = block_owner(ring, seq_len, pattern.block_size)
+    if home is None or ring.world == 1:
+        return ring
+    owner = balance_blocks(block_row_work(pattern), home, ring.world, BLOCK_BALANCE_REWARD)
+    heads = [list(range(pattern.num_heads))]
+    rho_home = imbalance_ratio(block_work(pattern, home, ring.world), heads)
+    rho_new = imbalance_ratio(block_work(pattern, owner, ring.world), heads)
+    if rho_new >= rho_home - BLOCK_BALANCE_MIN_GAIN:
+        return ring
+    blocks = tuple(tuple((owner == r).nonzero().squeeze(1).tolist()) for r in range(ring.world))
+    return BlockLayout(blocks, pattern.block_size)
+
+
 def block_owner(layout: SeqLayout, seq_len: int, block_size: int) -> torch.Tensor | None:
     """Ring rank holding each block of G tokens, or None when the layout splits blocks across ranks."""
     owner = torch.full((seq_len,), -1, dtype=torch.long)
@@ -112,26 +164,59 @@ def block_owner(layout: SeqLayout, seq_len: int, block_size: int) -> torch.Tenso
     return blocks[:, 0].clone()
 
 
-def _record_stats(
-    mesh: SeqParMesh,
-    pattern: SparsePattern,
-    layout: SeqLayout,
-    heads: HeadPlan,
-    head_order: list[int],
-    layer: int | None,
-) -> None:
-    """ρ_s and density of the scheduled work (pattern in the permuted head order)."""
-    owner = block_owner(layout, pattern.seq_len, pattern.block_size)
-    if owner is None:
-        return
-    work = block_work(pattern, owner, layout.world)
+@dataclass(frozen=True)
+class BalancePlan:
+    """How one sparse layer is balanced (``plan_balance``).
+
+    ``head_order``: query-head permutation applied before the Ulysses all-to-all (None = identity);
+    ``groups``: the (permuted) query heads of each Ulysses rank; ``layouts``: the ring layout of each
+    Ulysses group (the stripe layout, or a ``BlockLayout`` from db-SP block balancing).
+    """
+
+    head_order: list[int] | None
+    groups: list[list[int]]
+    layouts: list[object]
+
+
+def plan_balance(
+    pattern: SparsePattern, ring: SeqLayout, seq_len: int, num_kv_heads: int, heads: HeadPlan, balancing: str
+) -> BalancePlan:
+    """Head and block balancing for ``balancing`` (stripe | dbsp | none); pure arithmetic on the pattern,
+    so every rank computes the same plan without communicating. ``pattern`` is in the original head order."""
     starts = [sum(heads.q_counts[:u]) for u in range(heads.degree)]
-    groups = [list(range(s, s + c)) for s, c in zip(starts, heads.q_counts, strict=True)]
+    groups = [list(range(st, st + c)) for st, c in zip(starts, heads.q_counts, strict=True)]
+    if balancing != "dbsp":
+        return BalancePlan(None, groups, [ring] * len(groups))
+    order = None
+    owner = block_owner(ring, seq_len, pattern.block_size)
+    if owner is not None:
+        order = balance_heads(block_work(pattern, owner, ring.world).sum((1, 2)), num_kv_heads, heads.degree)
+    permuted = pattern if order is None else pattern.heads(order)
+    return BalancePlan(order, groups, [_group_layout(permuted.heads(g), ring, seq_len) for g in groups])
+
+
+def balance_stats(
+    pattern: SparsePattern, plan: BalancePlan, stripe: SeqLayout, layer: int | None
+) -> SparseLayerStats | None:
+    """ρ_s, density and moved blocks of the work ``plan`` schedules (``pattern`` in the ORIGINAL head order);
+    None when a layout splits blocks (token stripes)."""
+    if plan.head_order is not None:
+        pattern = pattern.heads(plan.head_order)
+    owners = [block_owner(lay, pattern.seq_len, pattern.block_size) for lay in plan.layouts]
+    if any(o is None for o in owners):
+        return None
+    work = torch.stack(
+        [
+            block_work(pattern.heads(g), o, stripe.world).sum(0)
+            for g, o in zip(plan.groups, owners, strict=True)
+        ]
+    )  # [U, R, R]
     causal = pattern.seq_len * (pattern.seq_len + 1) / 2 * pattern.batch * pattern.num_heads
-    stats = SparseLayerStats(
-        layer, imbalance_ratio(work, groups), float(work.sum()) / causal, tuple(head_order)
-    )
-    sparse_stats(mesh)[layer] = stats
+    home = block_owner(stripe, pattern.seq_len, pattern.block_size)
+    moved = sum(int((o != home).sum()) for o in owners) if home is not None else 0
+    rho = imbalance_ratio(work, [[k] for k in range(len(plan.groups))])
+    order = tuple(plan.head_order or range(pattern.num_heads))
+    return SparseLayerStats(layer, rho, float(work.sum()) / causal, order, moved)
 
 
 def sparse_attention(
@@ -177,37 +262,35 @@ def sparse_attention(
             scale,
             reducer,
         )
-    order = None
-    if sparse_cfg.balancing == "dbsp":
-        owner = block_owner(layout.ring, seq_len, pattern.block_size)
-        if owner is not None:
-            order = balance_heads(
-                block_work(pattern, owner, layout.ring.world).sum((1, 2)), h_kv, mesh.ulysses_size
-            )
-    if order is not None:
-        q_index = torch.tensor(order, device=q.device)
-        group = h // h_kv
-        kv_index = q_index[::group] // group
-        q, k, v = q.index_select(2, q_index), k.index_select(2, kv_index), v.index_select(2, kv_index)
-        pattern = pattern.heads(order)
     heads = HeadPlan.build(h, h_kv, mesh.ulysses_size)
+    balance = plan_balance(pattern, layout.ring, seq_len, h_kv, heads, sparse_cfg.balancing)
+    full_pattern = pattern
+    if balance.head_order is not None:
+        q_index = torch.tensor(balance.head_order, device=q.device)
+        kv_index = q_index[:: h // h_kv] // (h // h_kv)
+        q, k, v = q.index_select(2, q_index), k.index_select(2, kv_index), v.index_select(2, kv_index)
+        pattern = pattern.heads(balance.head_order)
     u = mesh.coords.ulysses_rank
-    start = sum(heads.q_counts[:u])
-    local_pattern = pattern.heads(list(range(start, start + heads.q_counts[u])))
+    ring_layout = balance.layouts[u]
     plan = RingPlan(
         schedule,
-        layout.ring,
+        ring_layout,
         MaskSpec(causal=True, window=window),
         doc_ids,
         "auto",
         work,
-        sparse=local_pattern,
+        sparse=pattern.heads(balance.groups[u]),
     )
     q2, k2, v2 = scatter_heads(q, k, v, heads, mesh)
+    ring = (mesh.group("ring"), mesh.coords.ring_rank, mesh.comm_stats)
+    q2, k2, v2 = relayout((q2, k2, v2), layout.ring, ring_layout, *ring)
     out, _ = ring_attention(q2, k2, v2, plan, scale)
+    (out,) = relayout((out,), ring_layout, layout.ring, *ring)
     out = gather_heads(out, heads, mesh)
-    if order is not None:
-        out = out.index_select(2, torch.argsort(torch.tensor(order, device=out.device)))
+    if balance.head_order is not None:
+        out = out.index_select(2, torch.argsort(torch.tensor(balance.head_order, device=out.device)))
     if sparse_cfg.report_balance:
-        _record_stats(mesh, pattern, layout.ring, heads, order or list(range(h)), layer)
+        stats = balance_stats(full_pattern, balance, layout.ring, layer)
+        if stats is not None:
+            sparse_stats(mesh)[layer] = stats
     return out
