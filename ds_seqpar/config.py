@@ -163,6 +163,20 @@ class SparseConfig(_Section):
         return value
 
 
+class LinearConfig(_Section):
+    """``sequence_parallel.linear``: linear-attention layers (All-Scan over the ring, ``parallel/linear_scan.py``)."""
+
+    scan: Literal["all_scan", "all_gather"] = Field(
+        "all_scan",
+        description="How each ring rank gets the state entering its tokens: all_scan (pipelined P2P scan, "
+        "one state per hop, ZeCO) | all_gather (all-gather every rank's state, LASP-2; for comparison).",
+    )
+    blocks: StrictInt = Field(
+        4, ge=1, description="K: row blocks along d_k the state travels in (pipelining; capped at d_k)."
+    )
+    chunk_size: StrictInt = Field(64, ge=1, description="Chunk size of the local chunked linear attention.")
+
+
 class SequenceParallelConfig(_Section):
     """The validated ``sequence_parallel`` section of a DeepSpeed config."""
 
@@ -184,6 +198,9 @@ class SequenceParallelConfig(_Section):
     )
     sparse: SparseConfig = Field(
         default_factory=SparseConfig, description="Sparse attention settings (attention='sparse_ring')."
+    )
+    linear: LinearConfig = Field(
+        default_factory=LinearConfig, description="Linear-attention layers (linear and hybrid models)."
     )
     kernel: KernelName = Field(
         "auto",

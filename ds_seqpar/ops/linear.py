@@ -46,6 +46,7 @@ __all__ = [
     "entering_state_output",
     "linear_attention_reference",
     "local_scan",
+    "piece_state",
 ]
 
 
@@ -281,6 +282,32 @@ def local_scan(
         total = cum_h[:, :, -1] if s > 0 else torch.zeros(b, h, d_k, dtype=acc, device=q.device)
         cum = cum_h.transpose(1, 2)
     return LocalScan(out.transpose(1, 2), state, total, cum)
+
+
+def piece_state(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The piece's summary without its outputs (one pass, no chunk loop), for starting a scan early.
+
+    Returns ``(state [B, H, d_k, d_v], total_log_decay [B, H, d_k], cum_log_decay [B, S, H, d_k])``:
+    the same ``state`` / ``total_log_decay`` / ``cum_log_decay`` as :func:`local_scan`, from
+    ``state = Σ_t (k_t * exp(G_end - G_t))ᵀ v_t`` (every exponent <= 0). Differentiable by autograd.
+    """
+    _check_qkv(q, k, v)
+    acc = _acc_dtype(q.dtype)
+    g = _log_decay_bh(q, log_decay)
+    b, s, h, d_k = q.shape
+    if g is None:
+        cum = torch.zeros(b, s, h, d_k, dtype=acc, device=q.device)
+        total = torch.zeros(b, h, d_k, dtype=acc, device=q.device)
+        weighted = k.to(acc)
+    else:
+        cum_h = g.cumsum(dim=2).expand(b, h, s, d_k)
+        total = cum_h[:, :, -1] if s > 0 else torch.zeros(b, h, d_k, dtype=acc, device=q.device)
+        cum = cum_h.transpose(1, 2)
+        weighted = k.to(acc) * torch.exp(total.unsqueeze(1) - cum)
+    state = torch.einsum("bshk,bshv->bhkv", weighted, v.to(acc))
+    return state, total, cum
 
 
 def entering_state_output(

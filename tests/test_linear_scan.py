@@ -1,0 +1,154 @@
+"""Linear attention under SP (Ulysses x All-Scan) on gloo ranks vs the single-process sequential recurrence.
+
+Every rank builds the same global q, k, v, decay, initial state and upstream gradient, runs the
+token-by-token reference (``ops/linear.linear_attention_reference``) on the whole sequence, then the
+distributed path on its shard, and compares out and the gradients of q, k, v, the decay and the
+initial state (fp64 <= 1e-10). Bytes per ring hop are checked against one state per direction.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ds_seqpar import SeqParMesh, SequenceParallelConfig, input_layout
+from ds_seqpar.ops.linear import linear_attention_reference
+from ds_seqpar.parallel.linear_scan import linear_attention
+
+B, H, DK, DV = 2, 4, 4, 3
+
+_MESHES: dict[tuple, SeqParMesh] = {}
+
+
+def _mesh(world: int, u: int) -> SeqParMesh:
+    if (world, u) not in _MESHES:
+        _MESHES[(world, u)] = SeqParMesh.build(world, u)
+    return _MESHES[(world, u)]
+
+
+def _inputs(seq_len: int, decay: str, seed: int) -> dict[str, torch.Tensor | None]:
+    g = torch.Generator().manual_seed(seed)
+    t = {
+        "q": torch.randn(B, seq_len, H, DK, generator=g, dtype=torch.float64),
+        "k": torch.randn(B, seq_len, H, DK, generator=g, dtype=torch.float64),
+        "v": torch.randn(B, seq_len, H, DV, generator=g, dtype=torch.float64),
+        "init": torch.randn(B, H, DK, DV, generator=g, dtype=torch.float64),
+        "dout": torch.randn(B, seq_len, H, DV, generator=g, dtype=torch.float64),
+    }
+    if decay == "scalar":
+        t["decay"] = -torch.rand(H, generator=g, dtype=torch.float64) * 0.3
+    elif decay == "gate":
+        t["decay"] = -torch.rand(B, seq_len, H, DK, generator=g, dtype=torch.float64) * 0.3
+    else:
+        t["decay"] = None
+    return t
+
+
+def run_linear_cases(cases: list[dict]) -> list[dict]:
+    world = dist.get_world_size()
+    results = []
+    for case in cases:
+        mesh = _mesh(world, case["u"])
+        mesh.config = SequenceParallelConfig(
+            size=world,
+            ulysses_degree=case["u"],
+            ring={"layout": case["layout"]},
+            linear={"scan": case["mode"], "blocks": case["blocks"], "chunk_size": case["chunk"]},
+        )
+        layout = input_layout(mesh)
+        seq_len = case["seq_len"]
+        t = _inputs(seq_len, case["decay"], case["seed"])
+        leaves = {n: x.clone().requires_grad_() for n, x in t.items() if n != "dout" and x is not None}
+        ref, _ = linear_attention_reference(
+            leaves["q"], leaves["k"], leaves["v"], leaves.get("decay"), leaves["init"], scale=0.5
+        )
+        ref.backward(t["dout"])
+        me = mesh.coords.sp_rank
+        local = {
+            n: (x.detach() if x.dim() == 1 else layout.shard(x.detach(), me)).clone().requires_grad_()
+            for n, x in leaves.items()
+            if n != "init"
+        }
+        init = t["init"].clone().requires_grad_()
+        with mesh.comm_stats.measure() as fwd:
+            out = linear_attention(
+                local["q"],
+                local["k"],
+                local["v"],
+                mesh=mesh,
+                log_decay=local.get("decay"),
+                initial_state=init,
+                scale=0.5,
+            )
+        with mesh.comm_stats.measure() as bwd:
+            out.backward(layout.shard(t["dout"], me))
+        errors = {"out": (out - layout.shard(ref.detach(), me)).abs().max().item()}
+        for name in ("q", "k", "v"):
+            errors["d" + name] = (local[name].grad - layout.shard(leaves[name].grad, me)).abs().max().item()
+        grads = {"init": init.grad}
+        if "decay" in local:
+            grads["decay"] = local["decay"].grad
+        results.append(
+            {
+                "errors": errors,
+                "grads": grads,
+                "p2p_fwd": fwd.bytes("p2p"),
+                "p2p_bwd": bwd.bytes("p2p"),
+                "gather_fwd": fwd.bytes("all_gather"),
+                "ref_init": leaves["init"].grad,
+                "ref_decay": leaves["decay"].grad if "decay" in leaves else None,
+                "decay_local": "decay" in local and t["decay"].dim() == 4,
+            }
+        )
+    return results
+
+
+def _check(cases: list[dict], results: list[list[dict]], world: int) -> None:
+    for i, case in enumerate(cases):
+        per_rank = [r[i] for r in results]
+        for rank, res in enumerate(per_rank):
+            assert all(e <= 1e-10 for e in res["errors"].values()), f"{case} rank {rank}: {res['errors']}"
+        # replicated leaves (initial state, per-head decay): the SP group's gradients sum to the reference
+        init = sum(r["grads"]["init"] for r in per_rank)
+        assert (init - per_rank[0]["ref_init"]).abs().max() <= 1e-10, case
+        if case["decay"] == "scalar":
+            decay = sum(r["grads"]["decay"] for r in per_rank)
+            assert (decay - per_rank[0]["ref_decay"]).abs().max() <= 1e-10, case
+        # bytes: one [B, H/U, d_k, d_v] state per hop and direction, whatever S is (All-Scan);
+        # the all-gather mode receives every other rank's pieces instead
+        state = B * (H // case["u"]) * DK * DV * 8
+        ring = world // case["u"]
+        for sp_rank, res in enumerate(per_rank):
+            r = sp_rank // case["u"]
+            if case["mode"] == "all_scan" and case["layout"] == "contiguous":
+                assert res["p2p_fwd"] == (state if r < ring - 1 else 0), (case, sp_rank, res["p2p_fwd"])
+                assert res["p2p_bwd"] == (state if r > 0 else 0), (case, sp_rank, res["p2p_bwd"])
+            elif case["mode"] == "all_scan":  # zigzag: up the ranks, turn on rank R-1, back down
+                assert res["p2p_fwd"] == state * (2 if 0 < r < ring - 1 else (1 if ring > 1 else 0)), case
+            else:
+                pieces = 2 if case["layout"] == "zigzag" else 1
+                per_piece = B * (H // case["u"]) * DK * (DV + 1) * 8  # state + log Gamma column
+                assert res["gather_fwd"] == pieces * per_piece * (ring - 1), case
+
+
+def _cases(p: int) -> list[dict]:
+    cases = []
+    us = [u for u in (1, 2, 4) if p % u == 0 and H % u == 0]
+    for decay, blocks, layout in itertools.product(
+        ("none", "scalar", "gate"), (1, 2, DK), ("contiguous", "zigzag")
+    ):
+        cases.append(dict(u=1, decay=decay, blocks=blocks, layout=layout, mode="all_scan", chunk=3))
+    for u, mode, layout in itertools.product(us, ("all_scan", "all_gather"), ("contiguous", "zigzag")):
+        cases.append(dict(u=u, decay="gate", blocks=2, layout=layout, mode=mode, chunk=4))
+    for i, case in enumerate(cases):
+        case.update(seq_len=6 * p * max(2, case["u"]), seed=i)
+    return cases
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+def test_linear_scan_matches_sequential_recurrence(dist_pool, p):
+    cases = _cases(p)
+    _check(cases, dist_pool(p).run(run_linear_cases, cases), p)
