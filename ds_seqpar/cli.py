@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--trust-remote-code", action="store_true", help="allow custom model code when loading --model"
     )
     p.add_argument(
+        "--random-init",
+        action="store_true",
+        help="build --model's architecture from its config.json with random weights (directories without "
+        "weights, e.g. assets/tiny-minimax)",
+    )
+    p.add_argument(
         "--data",
         default=None,
         help="training text: .jsonl, .txt or a datasets save_to_disk directory (default: passkey task)",
@@ -196,7 +202,7 @@ def _build_model(args: argparse.Namespace) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     config = _model_config(args)
-    if args.model is None:
+    if args.model is None or args.random_init:
         torch.manual_seed(args.seed)
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return AutoModelForCausalLM.from_pretrained(

@@ -203,3 +203,32 @@ def test_sparse_ring_config_trains_with_dense_warmup(dist_pool, tmp_path):
         assert row["sparse_layers"] == 2 and row["sparse_rho_s_max"] >= 1.0
         assert 0.0 < row["sparse_density"] < 1.0
         assert torch.isfinite(torch.tensor(row["loss"]))
+
+
+def test_hybrid_minimax_trains_like_without_sp(dist_pool, tmp_path):
+    """ds_configs/linear_scan_zero3.json on the tiny MiniMax hybrid (Lightning linear + softmax layers):
+    5 ZeRO-3 steps on 2 SP ranks (U 1 x R 2, zigzag All-Scan) give the losses of 1 process without SP."""
+    config = json.loads((DEFAULT_CONFIG.parent / "linear_scan_zero3.json").read_text())
+    model = str(DEFAULT_CONFIG.parent.parent / "assets" / "tiny-minimax")
+    losses = {}
+    for size in (2, 1):
+        config["sequence_parallel"].update(size=size, ulysses_degree=1)
+        path = tmp_path / f"linear{size}.json"
+        path.write_text(json.dumps(config))
+        argv = ["--ds_config", str(path), "--model", model, "--random-init", "--seq-len", "256"]
+        argv += [
+            "--max-steps",
+            "5",
+            "--eval-every",
+            "0",
+            "--eval-samples",
+            "1",
+            "--no-progress",
+            "--no-export",
+        ]
+        argv += ["--lr", "1e-3", "--output-dir", str(tmp_path / f"run{size}")]
+        rows = dist_pool(size).run(run_cli, argv)[0]
+        losses[size] = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses[1]) == 5
+    for sp, ref in zip(losses[2], losses[1], strict=True):
+        assert abs(sp - ref) <= 1e-5 * abs(ref), losses

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ds_seqpar.integrations.linear_models import route_linear_layers, unroute_linear_layers
 from ds_seqpar.loss import sp_causal_lm_loss
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.parallel.ring import WorkCounter
@@ -122,6 +123,7 @@ def enable_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
             f"ds_seqpar: transformers refused a custom attention implementation ({exc})"
         ) from exc
     model._ds_seqpar_original_attn = original
+    route_linear_layers(model)
     return model
 
 
@@ -131,6 +133,7 @@ def disable_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
     if original is not None:
         model.set_attn_implementation(original)
         del model._ds_seqpar_original_attn
+    unroute_linear_layers(model)
     return model
 
 

@@ -164,10 +164,14 @@ def _scan_chunks(
     d_v = v.shape[-1]
     tril = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
     outs = []
-    for cs in range(0, s, chunk_size):
-        ce = min(cs + chunk_size, s)
-        c = ce - cs
-        q_c, k_c, v_c = q[:, :, cs:ce], k[:, :, cs:ce], v[:, :, cs:ce]
+    # split once: slicing inside the loop would make autograd build a full-size gradient per chunk
+    chunks = [x.split(chunk_size, dim=2) if s else () for x in (q, k, v)]
+    if g is None or not s:
+        g_chunks = [None] * len(chunks[0])
+    else:
+        g_chunks = g.expand(-1, -1, s, -1).split(chunk_size, dim=2)
+    for q_c, k_c, v_c, g_c in zip(*chunks, g_chunks, strict=True):
+        c = q_c.shape[2]
         visible = tril[:c, :c]
         if g is None:
             scores = (q_c @ k_c.transpose(-1, -2)).masked_fill(~visible, 0.0)  # [B, H, c, c]
@@ -177,7 +181,7 @@ def _scan_chunks(
             kv = k_c.transpose(-1, -2) @ v_c
             state = kv if state is None else state + kv
         else:
-            cum = g[:, :, cs:ce].cumsum(dim=2)  # [B|1, H, c, d_k|1], non-increasing along c
+            cum = g_c.cumsum(dim=2)  # [B|1, H, c, d_k|1], non-increasing along c
             last = cum[:, :, -1:]
             diff = cum.unsqueeze(3) - cum.unsqueeze(2)  # [.., i, j, .] = g_i - g_j, <= 0 where i >= j
             decay = diff.masked_fill(~visible.unsqueeze(-1), float("-inf")).exp()
