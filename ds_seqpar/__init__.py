@@ -7,7 +7,8 @@ Public API (more arrives with the attention, data and engine modules):
 * :class:`CommStats`: bytes and messages per collective kind, per rank.
 * :func:`attention`: exact attention over the SP group (USP / Ulysses / ring, per the config);
   :func:`input_layout`: the token layout the data side shards with; :func:`sparse_stats`: per-layer
-  imbalance ratio and density of ``attention: "sparse_ring"``.
+  imbalance ratio and density of ``attention: "sparse_ring"``; :func:`linear_attention`: linear
+  attention (All-Scan over the ring) for linear and hybrid models.
 * :func:`initialize`: ``deepspeed.initialize`` with the section honoured (mesh, mpu, HF attention
   routing, SP loss, sharding DataLoader); :class:`SeqParCausalLM`, :func:`shard_batch`,
   :func:`seqpar_dataloader`, :func:`sp_causal_lm_loss` are its parts.
@@ -24,6 +25,7 @@ from ds_seqpar.integrations.transformers import (
 )
 from ds_seqpar.loss import sp_causal_lm_loss
 from ds_seqpar.mesh import DeepSpeedMPU, MeshCoords, MeshPlan, SeqParMesh, plan_mesh
+from ds_seqpar.parallel.linear_scan import linear_attention
 from ds_seqpar.parallel.sparse_ring import SparseLayerStats, sparse_stats
 from ds_seqpar.parallel.usp import attention, input_layout
 
@@ -50,6 +52,7 @@ __all__ = [
     "enable_sequence_parallel",
     "initialize",
     "input_layout",
+    "linear_attention",
     "load_config",
     "parse_section",
     "plan_mesh",

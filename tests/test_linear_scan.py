@@ -152,3 +152,45 @@ def _cases(p: int) -> list[dict]:
 def test_linear_scan_matches_sequential_recurrence(dist_pool, p):
     cases = _cases(p)
     _check(cases, dist_pool(p).run(run_linear_cases, cases), p)
+
+
+def run_error_cases(cases: list[dict]) -> list[str]:
+    """Bad inputs raise on every rank before any collective (the pool stays usable afterwards)."""
+    world = dist.get_world_size()
+    messages = []
+    for case in cases:
+        mesh = _mesh(world, 1)
+        mesh.config = SequenceParallelConfig(size=world, ulysses_degree=1, ring=case["ring"])
+        q = torch.randn(1, 8, H, DK, dtype=torch.float64)
+        try:
+            linear_attention(
+                q, q, torch.randn(1, 8, H, DV, dtype=torch.float64), mesh=mesh, log_decay=case["decay"]
+            )
+        except ValueError as exc:
+            messages.append(str(exc))
+        else:
+            messages.append("no error")
+    dist.barrier()
+    return messages
+
+
+def test_bad_inputs_fail_before_communication(dist_pool):
+    cases = [
+        dict(ring={"layout": "stripe", "granularity": 2}, decay=None),
+        dict(ring={"layout": "contiguous"}, decay=torch.zeros(H + 1)),
+    ]
+    for messages in dist_pool(2).run(run_error_cases, cases):
+        assert "layout='stripe' is not supported" in messages[0]
+        assert "log_decay shape (5,) must be [H] = (4,)" in messages[1]
+
+
+def test_unsupported_recurrent_layers_are_named():
+    from ds_seqpar.integrations.linear_models import route_linear_layers
+
+    class TinyGatedDeltaNet(torch.nn.Module):
+        pass
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), TinyGatedDeltaNet())
+    with pytest.raises(TypeError, match=r"Sequential\.1 is a TinyGatedDeltaNet"):
+        route_linear_layers(model)
+    assert route_linear_layers(torch.nn.Sequential(torch.nn.Linear(2, 2))) == 0
