@@ -529,6 +529,21 @@ def _part_pairs(part: _Part, q_tile: int, mask: torch.Tensor | None) -> int:
     return t * q_tile * c * q_tile
 
 
+def _pair_setup(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    pattern: SparsePattern,
+    spec: MaskSpec,
+) -> tuple[torch.dtype, int, _PairTiles, str]:
+    """Checks, then ``(acc dtype, GQA group size, tiling of the pair, block kernel name)``."""
+    _check(q, k, q_pos, k_pos, pattern, spec)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    tiles = _pair_tiles(_row_pattern(pattern, q.shape[0]), q_pos, k_pos)
+    return acc, q.shape[2] // k.shape[2], tiles, _masked_kernel(q)
+
+
 def _row(x: torch.Tensor | None, b: int) -> torch.Tensor | None:
     """Batch row ``b`` of per-row document ids (1-D ids are shared by every row)."""
     return x if x is None or x.dim() == 1 else x[b]
@@ -559,12 +574,8 @@ def sparse_attn_forward(
         ``(out [B, Sq, H, D], lse [B, H, Sq], pairs)`` in fp32 (fp64 for fp64 inputs); rows that see
         no key have out 0 and lse -inf; ``pairs`` = score pairs computed over rows and heads.
     """
-    _check(q, k, q_pos, k_pos, pattern, spec)
+    acc, group, tiles, kernel = _pair_setup(q, k, q_pos, k_pos, pattern, spec)
     b, sq, h, d = q.shape
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    group = h // k.shape[2]
-    tiles = _pair_tiles(_row_pattern(pattern, b), q_pos, k_pos)
-    kernel = _masked_kernel(q)
     out = torch.zeros(b, sq, h, d, dtype=acc, device=q.device)
     lse = torch.full((b, h, sq), NEG_INF, dtype=acc, device=q.device)
     pairs = 0
@@ -616,12 +627,8 @@ def sparse_attn_backward(
 
     Returns ``(dq [B, Sq, H, D], dk, dv [B, Sk, H_kv, D])`` in fp32 (fp64 for fp64 inputs).
     """
-    _check(q, k, q_pos, k_pos, pattern, spec)
+    acc, group, tiles, kernel = _pair_setup(q, k, q_pos, k_pos, pattern, spec)
     b, sq, h, d = q.shape
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    group = h // k.shape[2]
-    tiles = _pair_tiles(_row_pattern(pattern, b), q_pos, k_pos)
-    kernel = _masked_kernel(q)
     dq = torch.zeros(b, sq, h, d, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(k.shape, dtype=acc, device=q.device)
