@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from ds_seqpar.ops import linear
 from ds_seqpar.ops.linear import (
     LocalScan,
     advance_state,
@@ -393,3 +394,55 @@ def test_invalid_inputs_raise(name: str) -> None:
     call, match = INVALID[name]
     with pytest.raises(ValueError, match=match):
         call(_valid())
+
+
+# ---- the optional fused (flash-linear-attention) path: plumbing checked with stand-in kernels on CPU
+
+
+def _fake_fla(wrong: bool = False):
+    """A stand-in with fla's calling convention ([B, S, H, d], g 4th, keyword scale / states)."""
+    calls = []
+
+    def kernel(q, k, v, g, scale=None, initial_state=None, output_final_state=False, head_first=True):
+        assert head_first is False  # ds_seqpar asks for the [B, S, H, d] layout explicitly
+        calls.append(g is None or g.dim())
+        log_decay = None if g is None else (g if g.dim() == 4 else g[0, 0])
+        out, state = linear.chunk_linear_attention(q, k, v, log_decay, scale=scale)
+        return (out * 0 if wrong else out), state
+
+    return kernel, calls
+
+
+@pytest.mark.parametrize("decay", ["none", "scalar", "gate"])
+def test_fused_path_is_used_when_it_agrees(monkeypatch, decay):
+    kernel, calls = _fake_fla()
+    monkeypatch.setattr(linear, "FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(linear, "_fla_kernel", lambda kind: kernel)
+    monkeypatch.setattr(linear, "_FLA_CHECKED", {})
+    q, k, v = (torch.randn(2, 37, 3, 8, dtype=torch.float64) for _ in range(3))
+    log_decay = {
+        "none": None,
+        "scalar": -torch.rand(3, dtype=torch.float64),
+        "gate": -torch.rand(2, 37, 3, 8, dtype=torch.float64),
+    }[decay]
+    monkeypatch.setenv("DS_SEQPAR_NO_FLA", "1")
+    ref = linear.local_scan(q, k, v, log_decay, 8, scale=0.5)
+    assert not calls  # switched off by the environment variable
+    monkeypatch.delenv("DS_SEQPAR_NO_FLA")
+    got = linear.local_scan(q, k, v, log_decay, 8, scale=0.5)
+    assert len(calls) == 2  # the one-time check, then the piece
+    assert (got.out - ref.out).abs().max() <= 1e-10 and (got.state - ref.state).abs().max() <= 1e-10
+
+
+def test_fused_path_that_disagrees_is_refused_with_a_warning(monkeypatch):
+    kernel, calls = _fake_fla(wrong=True)
+    monkeypatch.setattr(linear, "FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(linear, "_fla_kernel", lambda kind: kernel)
+    monkeypatch.setattr(linear, "_FLA_CHECKED", {})
+    q, k, v = (torch.randn(1, 20, 2, 4) for _ in range(3))
+    with pytest.warns(UserWarning, match="disagrees with ds_seqpar"):
+        got = linear.local_scan(q, k, v, None, 8)
+    ref, _ = linear.chunk_linear_attention(q, k, v)
+    assert (got.out - ref).abs().max() <= 1e-5  # PyTorch result, not the stand-in's zeros
+    linear.local_scan(q, k, v, None, 8)
+    assert len(calls) == 1  # checked once, then never called again

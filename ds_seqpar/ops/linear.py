@@ -30,11 +30,20 @@ a zero state. With E_0 = initial state and E_p the state entering piece p,
 reproduce :func:`chunk_linear_attention` on the whole sequence (outputs, final state E_P and all
 gradients); the distributed scan only has to pass E_p from rank to rank.
 
-A fused CUDA path (flash-linear-attention) is not wired in; everything here is plain PyTorch.
+Fused CUDA path: when the flash-linear-attention package (``fla``) imports and the tensors are on
+CUDA, :func:`local_scan` (what sequence parallelism runs) computes its piece with fla's chunked
+kernels (``chunk_simple_gla`` for no / per-head decay, ``chunk_gla`` for the gate). The first use per
+(kernel, dtype, device) checks fla against the PyTorch chunk form on a small input; on a mismatch or
+an error it warns once and stays on PyTorch, so an incompatible fla version is never silently wrong.
+``DS_SEQPAR_NO_FLA=1`` turns the path off.
 """
 
 from __future__ import annotations
 
+import inspect
+import os
+import warnings
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -257,6 +266,89 @@ def chunk_linear_attention(
     return out.transpose(1, 2).to(q.dtype), state
 
 
+# ----------------------------------------------------------------------------------------------
+# optional fused path (flash-linear-attention on CUDA), verified on first use
+
+FUSED_DEVICES = ("cuda",)
+_FLA_CHECKED: dict[tuple[str, torch.dtype, str], bool] = {}
+
+
+def _fla_kernel(kind: str) -> Callable | None:
+    """fla's chunked kernel for ``kind`` (``simple``: none / per-head decay; ``gla``: gate), if importable."""
+    try:
+        if kind == "gla":
+            from fla.ops.gla import chunk_gla as kernel
+        else:
+            from fla.ops.simple_gla import chunk_simple_gla as kernel
+    except Exception:  # not installed, or no Triton / CUDA: stay on PyTorch
+        return None
+    return kernel
+
+
+def _fla_call(kernel: Callable, q, k, v, g, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run an fla kernel on ``[B, S, H, d]`` tensors from a zero state; ``(out, final state)``."""
+    kwargs = {"scale": scale, "initial_state": None, "output_final_state": True}
+    if "head_first" in inspect.signature(kernel).parameters:  # older fla: say the layout explicitly
+        kwargs["head_first"] = False
+    out, state = kernel(q, k, v, g, **kwargs)
+    return out, state
+
+
+def _fla_inputs(q: torch.Tensor, log_decay: torch.Tensor | None) -> tuple[str, torch.Tensor | None]:
+    """fla kernel kind and its log-decay argument (``[B, S, H]`` per head and token, or the gate)."""
+    if log_decay is not None and log_decay.dim() == 4:
+        return "gla", log_decay
+    if log_decay is None:
+        return "simple", None
+    return "simple", log_decay.view(1, 1, -1).expand(q.shape[0], q.shape[1], -1)
+
+
+def _fla_verified(kind: str, kernel: Callable, dtype: torch.dtype, device: torch.device) -> bool:
+    """Compare fla with the PyTorch chunk form once per (kind, dtype, device)."""
+    key = (kind, dtype, str(device))
+    if key not in _FLA_CHECKED:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        q, k, v = (torch.randn(1, 71, 2, 16, generator=gen).mul(0.5).to(device, dtype) for _ in range(3))
+        shape = (1, 71, 2, 16) if kind == "gla" else (2,)
+        log_decay = (-torch.rand(shape, generator=gen) * 0.2).to(device, torch.float32)
+        try:
+            out, state = _fla_call(kernel, q, k, v, _fla_inputs(q, log_decay)[1], 0.25)
+            ref, ref_state = chunk_linear_attention(q, k, v, log_decay, scale=0.25)
+            tol = 1e-3 if dtype == torch.float32 else 5e-2
+            err = max(
+                float((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)),
+                float(
+                    (state.float() - ref_state.float()).abs().max()
+                    / ref_state.float().abs().max().clamp(min=1e-6)
+                ),
+            )
+            ok, why = err <= tol, f"relative error {err:.2e} > {tol:g}"
+        except Exception as exc:  # an incompatible fla API
+            ok, why = False, f"{type(exc).__name__}: {exc}"
+        if not ok:
+            warnings.warn(
+                f"flash-linear-attention {kind} kernel disagrees with ds_seqpar ({why}); using PyTorch",
+                stacklevel=2,
+            )
+        _FLA_CHECKED[key] = ok
+    return _FLA_CHECKED[key]
+
+
+def _fused_piece(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(out, state)`` of a piece from a zero state via fla, or None when the fused path is unavailable."""
+    if q.device.type not in FUSED_DEVICES or os.environ.get("DS_SEQPAR_NO_FLA") == "1" or q.shape[1] == 0:
+        return None
+    kind, g = _fla_inputs(q, log_decay)
+    kernel = _fla_kernel(kind)
+    if kernel is None:
+        return None
+    if not _fla_verified(kind, kernel, q.dtype, q.device):
+        return None
+    return _fla_call(kernel, q, k, v, g, scale)
+
+
 def local_scan(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -276,8 +368,12 @@ def local_scan(
     acc = _acc_dtype(q.dtype)
     g = _log_decay_bh(q, log_decay)
     b, s, h, d_k = q.shape
-    q_h, k_h, v_h = _heads_first(q, acc) * scale, _heads_first(k, acc), _heads_first(v, acc)
-    out, state = _scan_chunks(q_h, k_h, v_h, g, None, chunk_size)
+    fused = _fused_piece(q, k, v, log_decay, scale)
+    if fused is not None:
+        out, state = fused[0].to(acc).transpose(1, 2), fused[1].to(acc)
+    else:
+        q_h, k_h, v_h = _heads_first(q, acc) * scale, _heads_first(k, acc), _heads_first(v, acc)
+        out, state = _scan_chunks(q_h, k_h, v_h, g, None, chunk_size)
     if g is None:
         cum = torch.zeros(b, s, h, d_k, dtype=acc, device=q.device)
         total = torch.zeros(b, h, d_k, dtype=acc, device=q.device)
