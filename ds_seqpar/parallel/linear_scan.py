@@ -29,6 +29,7 @@ from ds_seqpar.comm.all_to_all import HeadPlan, head_to_seq, seq_to_head
 from ds_seqpar.comm.scan import StateScan, chain_owners
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.linear import advance_state, entering_state_output, local_scan, piece_state
+from ds_seqpar.parallel.usp import input_layout
 
 
 @dataclass(frozen=True)
@@ -172,8 +173,6 @@ def linear_attention(
     Returns:
         ``out [B, n, H, d_v]`` in v.dtype; differentiable in q, k, v, log_decay and initial_state.
     """
-    from ds_seqpar.parallel.usp import input_layout  # usp imports the parallel package's leaf modules
-
     cfg = mesh.config
     lin = None if cfg is None else cfg.linear
     b, n, h, d_k = q.shape
@@ -189,7 +188,7 @@ def linear_attention(
         raise ValueError(
             f"log_decay shape {tuple(log_decay.shape)} must be [H] = ({h},) or [B, n, H, d_k] = {(b, n, h, d_k)}"
         )
-    plan_args = (lin.chunk_size, lin.blocks, lin.scan) if lin is not None else (64, 4, "all_scan")
+    chunk_size, blocks, mode = (64, 4, "all_scan") if lin is None else (lin.chunk_size, lin.blocks, lin.scan)
     chain_owners(
         mesh.ring_size, "contiguous" if cfg is None else cfg.ring_layout[0]
     )  # layout check, pre-comm
@@ -209,7 +208,7 @@ def linear_attention(
     mine = slice(start, start + heads.q_counts[me])
     decay2 = moved[3] if gate else (None if log_decay is None else log_decay[mine])
     init2 = None if initial_state is None else initial_state[:, mine]
-    plan = scan_plan(mesh, q2.shape[1], plan_args[0], plan_args[1], plan_args[2], scale)
+    plan = scan_plan(mesh, q2.shape[1], chunk_size, blocks, mode, scale)
     out, _ = _LinearScan.apply(q2, k2, v2, decay2, init2, plan)
     (full,) = head_to_seq((out,), (heads.q_counts,), group, me, stats)
     return full
