@@ -19,7 +19,8 @@ Contract (ALGORITHMS.md §0.1, §0.3):
 Kernels (one registry, chosen by name or ``"auto"``):
     torch       pure PyTorch, chunked over query and key blocks (memory O(chunk²)); the reference
     sdpa        PyTorch's CPU flash op (``_scaled_dot_product_flash_attention_for_cpu`` + backward);
-                bf16/fp16 run in fp32 (faster on CPU and exact for merging)
+                bf16/fp16 run natively (fp32 accumulation inside the op, as flash-attn does); out, lse and
+                gradients come back in fp32 for merging
     flash_attn  flash-attn on CUDA for fp16/bf16: FULL and square causal blocks via the public
                 ``flash_attn_func``; explicit masks, rectangular causal and the backward (no public
                 entry point takes an external out/lse) run on the torch kernel
@@ -272,11 +273,12 @@ def _sdpa_forward(
     mask: torch.Tensor | None,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    acc = _acc_dtype(q.dtype)
-    q_t, k_t, v_t = (x.to(acc).transpose(1, 2) for x in (q, k, v))
-    attn_mask = None if mask is None else _additive(mask, acc)
+    # the op takes fp32, fp64 and bf16 / fp16 natively (fp32 accumulation inside, fp32 lse), like flash-attn
+    q_t, k_t, v_t = (x.transpose(1, 2) for x in (q, k, v))
+    attn_mask = None if mask is None else _additive(mask, q.dtype)
     out, lse = getattr(torch.ops.aten, _SDPA_OP)(q_t, k_t, v_t, 0.0, causal, attn_mask=attn_mask, scale=scale)
-    out = out.transpose(1, 2)
+    acc = _acc_dtype(q.dtype)
+    out, lse = out.transpose(1, 2).to(acc), lse.to(acc)
     if mask is not None:
         empty = ~mask.any(dim=-1)  # [B|1, Sq]; the op reports lse 0 for these rows
         lse = lse.masked_fill(empty.unsqueeze(1), NEG_INF)
@@ -295,13 +297,13 @@ def _sdpa_backward(
     mask: torch.Tensor | None,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    acc = _acc_dtype(q.dtype)
-    do_t, q_t, k_t, v_t, o_t = (x.to(acc).transpose(1, 2) for x in (dout, q, k, v, out))
-    attn_mask = None if mask is None else _additive(mask, acc)
+    do_t, q_t, k_t, v_t, o_t = (x.to(q.dtype).transpose(1, 2) for x in (dout, q, k, v, out))
+    attn_mask = None if mask is None else _additive(mask, q.dtype)
     grads = getattr(torch.ops.aten, _SDPA_OP + "_backward")(
-        do_t, q_t, k_t, v_t, o_t, lse.to(acc), 0.0, causal, attn_mask=attn_mask, scale=scale
+        do_t, q_t, k_t, v_t, o_t, lse.to(_acc_dtype(q.dtype)), 0.0, causal, attn_mask=attn_mask, scale=scale
     )
-    dq, dk, dv = (x.transpose(1, 2) for x in grads)
+    acc = _acc_dtype(q.dtype)
+    dq, dk, dv = (x.transpose(1, 2).to(acc) for x in grads)
     return dq, dk, dv
 
 

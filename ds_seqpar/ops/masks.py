@@ -26,7 +26,7 @@ from enum import Enum
 
 import torch
 
-__all__ = ["BlockKind", "MaskSpec", "classify_block", "token_mask"]
+__all__ = ["BlockKind", "MaskSpec", "classify_block", "quick_block_kind", "token_mask"]
 
 
 @dataclass(frozen=True)
@@ -140,6 +140,49 @@ def _is_top_left_causal(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
     return k_sorted and bool((k <= q).all()) and bool((k[..., 1:] > q[..., :-1]).all())
 
 
+def quick_block_kind(
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    spec: MaskSpec = MaskSpec(),
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
+) -> BlockKind | None:
+    """The block's kind from min/max tests on positions and documents, or None when only an
+    ``[Sq, Sk]`` mask can tell (no mask is ever built here). Shapes as in :func:`token_mask`."""
+    _check_pair(q_pos, k_pos, q_doc, k_doc)
+    if q_pos.numel() == 0 or k_pos.numel() == 0:
+        return BlockKind.EMPTY
+    docs_uniform = True
+    if q_doc is not None and k_doc is not None:
+        q_lo, q_hi = int(q_doc.min()), int(q_doc.max())
+        k_lo, k_hi = int(k_doc.min()), int(k_doc.max())
+        if q_hi < 0 or k_hi < 0 or q_hi < k_lo or k_hi < q_lo:
+            return BlockKind.EMPTY  # all padding on one side, or disjoint document ranges
+        docs_uniform = q_lo == q_hi == k_lo == k_hi
+
+    q_lo, q_hi = int(q_pos.min()), int(q_pos.max())
+    k_lo, k_hi = int(k_pos.min()), int(k_pos.max())
+    w = spec.window
+    if spec.causal:
+        if k_lo > q_hi or (w is not None and q_lo - k_hi >= w):
+            return BlockKind.EMPTY
+        window_never_binds = w is None or q_hi - k_lo < w
+        if docs_uniform and window_never_binds:
+            if k_hi <= q_lo:
+                return BlockKind.FULL
+            if _is_top_left_causal(q_pos, k_pos):
+                return BlockKind.CAUSAL
+    elif w is None:
+        if docs_uniform:
+            return BlockKind.FULL
+    else:
+        if k_lo - q_hi >= w or q_lo - k_hi >= w:
+            return BlockKind.EMPTY
+        if docs_uniform and max(q_hi - k_lo, k_hi - q_lo) < w:
+            return BlockKind.FULL
+    return None
+
+
 def classify_block(
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
@@ -149,44 +192,16 @@ def classify_block(
 ) -> tuple[BlockKind, torch.Tensor | None]:
     """Classify a (query block, key block) pair; build the mask only when it is PARTIAL.
 
-    Shapes as in :func:`token_mask`. Cheap min/max tests on positions and documents decide most
-    blocks of contiguous, zigzag and document layouts without an ``[Sq, Sk]`` tensor.
+    Shapes as in :func:`token_mask`. Cheap min/max tests on positions and documents
+    (:func:`quick_block_kind`) decide most blocks of contiguous, zigzag and document layouts
+    without an ``[Sq, Sk]`` tensor.
 
     Returns:
         ``(kind, mask)``: ``mask`` is the bool ``[Sq, Sk]`` / ``[B, Sq, Sk]`` mask for PARTIAL, else None.
     """
-    _check_pair(q_pos, k_pos, q_doc, k_doc)
-    if q_pos.numel() == 0 or k_pos.numel() == 0:
-        return BlockKind.EMPTY, None
-    docs_uniform = True
-    if q_doc is not None and k_doc is not None:
-        q_lo, q_hi = int(q_doc.min()), int(q_doc.max())
-        k_lo, k_hi = int(k_doc.min()), int(k_doc.max())
-        if q_hi < 0 or k_hi < 0 or q_hi < k_lo or k_hi < q_lo:
-            return BlockKind.EMPTY, None  # all padding on one side, or disjoint document ranges
-        docs_uniform = q_lo == q_hi == k_lo == k_hi
-
-    q_lo, q_hi = int(q_pos.min()), int(q_pos.max())
-    k_lo, k_hi = int(k_pos.min()), int(k_pos.max())
-    w = spec.window
-    if spec.causal:
-        if k_lo > q_hi or (w is not None and q_lo - k_hi >= w):
-            return BlockKind.EMPTY, None
-        window_never_binds = w is None or q_hi - k_lo < w
-        if docs_uniform and window_never_binds:
-            if k_hi <= q_lo:
-                return BlockKind.FULL, None
-            if _is_top_left_causal(q_pos, k_pos):
-                return BlockKind.CAUSAL, None
-    elif w is None:
-        if docs_uniform:
-            return BlockKind.FULL, None
-    else:
-        if k_lo - q_hi >= w or q_lo - k_hi >= w:
-            return BlockKind.EMPTY, None
-        if docs_uniform and max(q_hi - k_lo, k_hi - q_lo) < w:
-            return BlockKind.FULL, None
-
+    kind = quick_block_kind(q_pos, k_pos, spec, q_doc, k_doc)
+    if kind is not None:
+        return kind, None
     mask = token_mask(q_pos, k_pos, spec, q_doc, k_doc)
     if not bool(mask.any()):
         return BlockKind.EMPTY, None

@@ -31,7 +31,7 @@ import torch
 from ds_seqpar.comm.p2p import AllGatherSchedule, RingComm, RingSchedule
 from ds_seqpar.layout import SeqLayout
 from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward
-from ds_seqpar.ops.masks import BlockKind, MaskSpec, classify_block
+from ds_seqpar.ops.masks import BlockKind, MaskSpec, classify_block, quick_block_kind
 from ds_seqpar.ops.merge import merge_attn_
 from ds_seqpar.ops.sparse import SparsePattern, sparse_attn_backward, sparse_attn_forward
 
@@ -93,28 +93,69 @@ class RingPlan:
 
 @dataclass(frozen=True)
 class _BlockTask:
-    """One (query segment, key segment) pair to compute, with its mask."""
+    """One kernel call: a rectangle of (query rows, key rows) with its mask, covering
+    ``segment_pairs`` (query segment, key segment) pairs of the layout."""
 
     q_rows: slice
     k_rows: slice
     kind: BlockKind
     mask: torch.Tensor | None
+    segment_pairs: int = 1
 
     @property
     def pairs(self) -> int:
         return (self.q_rows.stop - self.q_rows.start) * (self.k_rows.stop - self.k_rows.start)
 
 
+def _join_full(tasks: list[_BlockTask], along_keys: bool) -> list[_BlockTask]:
+    """Merge neighbouring FULL tasks into one call: same query rows and adjacent key rows
+    (``along_keys``), or same key rows and adjacent query rows."""
+    out: list[_BlockTask] = []
+    for task in tasks:
+        last = out[-1] if out else None
+        if last is not None and last.kind is task.kind is BlockKind.FULL:
+            same, prev, cur = (
+                (last.q_rows == task.q_rows, last.k_rows, task.k_rows)
+                if along_keys
+                else (last.k_rows == task.k_rows, last.q_rows, task.q_rows)
+            )
+            if same and prev.stop == cur.start:
+                rows = slice(prev.start, cur.stop)
+                q_rows, k_rows = (task.q_rows, rows) if along_keys else (rows, task.k_rows)
+                out[-1] = _BlockTask(
+                    q_rows, k_rows, BlockKind.FULL, None, last.segment_pairs + task.segment_pairs
+                )
+                continue
+        out.append(task)
+    return out
+
+
 def _tasks(plan: RingPlan, seq_len: int, owner: int, q_pos: torch.Tensor, q_doc: Any) -> list[_BlockTask]:
-    """Classify every segment pair of (this rank's queries, ``owner``'s keys); EMPTY pairs dropped."""
+    """The kernel calls for (this rank's queries, ``owner``'s keys); EMPTY pairs dropped.
+
+    Segment pairs are classified from global positions; the calls are then as few as the mask
+    allows: the whole block in one call when it is FULL or top-left CAUSAL as a whole (the own
+    step of zigzag), else neighbouring FULL pairs joined into one rectangle.
+    """
     layout = plan.layout
     k_pos = layout.local_positions(seq_len, owner).to(q_pos.device)
     k_doc = None if plan.doc_ids is None else layout.shard(plan.doc_ids, owner, dim=-1).to(q_pos.device)
     if k_doc is not None:
         k_pos = k_pos.expand(k_doc.shape)  # per-row documents need per-row positions
+    segments = layout.segments(seq_len)
+    if len(segments) > 1:
+        whole = quick_block_kind(q_pos, k_pos, plan.spec, q_doc, k_doc)
+        if whole is BlockKind.EMPTY:
+            return []
+        if whole in (BlockKind.FULL, BlockKind.CAUSAL):
+            m = len(segments)
+            covered = (
+                m * m if whole is BlockKind.FULL else m * (m + 1) // 2
+            )  # causal: no pair above the diagonal
+            return [_BlockTask(slice(0, q_pos.shape[-1]), slice(0, k_pos.shape[-1]), whole, None, covered)]
     tasks = []
-    for qa, qb in layout.segments(seq_len):
-        for ka, kb in layout.segments(seq_len):
+    for qa, qb in segments:
+        for ka, kb in segments:
             kind, mask = classify_block(
                 q_pos[..., qa:qb],
                 k_pos[..., ka:kb],
@@ -125,7 +166,7 @@ def _tasks(plan: RingPlan, seq_len: int, owner: int, q_pos: torch.Tensor, q_doc:
             if kind is BlockKind.EMPTY:
                 continue
             tasks.append(_BlockTask(slice(qa, qb), slice(ka, kb), kind, mask))
-    return tasks
+    return _join_full(_join_full(tasks, along_keys=True), along_keys=False)
 
 
 def _dense_tasks(
@@ -280,8 +321,9 @@ class _RingAttention(torch.autograd.Function):
                 step_pairs += task.pairs
             if plan.work is not None:
                 plan.work.forward_pairs += step_pairs
-                plan.work.blocks += len(tasks)
-                plan.work.skipped_blocks += len(plan.layout.segments(seq_len)) ** 2 - len(tasks)
+                covered = sum(task.segment_pairs for task in tasks)
+                plan.work.blocks += covered
+                plan.work.skipped_blocks += len(plan.layout.segments(seq_len)) ** 2 - covered
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.scale, ctx.seq_len = plan, scale, seq_len
         ctx.mark_non_differentiable(lse)

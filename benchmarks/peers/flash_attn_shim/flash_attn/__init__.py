@@ -1,0 +1,15 @@
+"""CPU stand-in for the ``flash_attn`` package, used only by the benchmark suite's peer rows.
+
+Peers (yunchang, ring-flash-attn, DeepSpeed Ulysses with a flash local attention) call flash-attn's
+block functions. On a CPU-only machine this package serves those calls with PyTorch's CPU flash
+attention op (``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and its backward), the
+same op ds_seqpar's ``sdpa`` kernel runs, so every row of a table computes attention with one kernel.
+It is not flash-attn: no dropout, sliding window, softcap, ALiBi or varlen (those raise).
+"""
+
+from flash_attn.flash_attn_interface import flash_attn_func
+
+__version__ = (
+    "2.6.3"  # the flash-attn API generation this shim follows (4-tuple forward, *_left/_right windows)
+)
+__all__ = ["flash_attn_func"]

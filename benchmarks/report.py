@@ -1,0 +1,251 @@
+"""Markdown tables, PNG plots and ``docs/performance.md`` from the suites' JSON results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DOC = ROOT / "docs" / "performance.md"
+
+
+def _fmt(value, spec: str) -> str:
+    if value is None:
+        return "–"
+    try:
+        return format(value, spec)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    lines = ["| " + " | ".join(c[0] for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_fmt(r.get(key), spec) for _, key, spec in columns) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _not_run(rows: list[dict]) -> str:
+    seen, lines = set(), []
+    for r in rows:
+        if r["status"] != "ok" and (r["system"], r.get("H_kv"), r["P"]) not in seen:
+            seen.add((r["system"], r.get("H_kv"), r["P"]))
+            extra = f", H_kv={r['H_kv']}" if "H_kv" in r else ""
+            lines.append(f"- **{r['system']}** (P={r['P']}{extra}): {r['status']}: {r['why']}")
+    return ("\nCould not run:\n\n" + "\n".join(lines) + "\n") if lines else ""
+
+
+def attention_markdown(result: dict) -> str:
+    meta = result["meta"]
+    rows = sorted(
+        (r for r in result["rows"] if r["status"] == "ok"),
+        key=lambda r: (r["P"], r["H_kv"], r["S"], r["time_s"]),
+    )
+    cols = [
+        ("P", "P", "d"),
+        ("H_kv", "H_kv", "d"),
+        ("S", "S", "d"),
+        ("system", "system", "s"),
+        ("fwd+bwd (s)", "time_s", ".3f"),
+        ("efficiency", "efficiency", ".3f"),
+        ("vs fastest peer", "vs_fastest_peer", ".3f"),
+        ("sent MiB/rank", "sent_MiB", ".1f"),
+        ("balance", "balance", ".3f"),
+        ("peak MiB/rank", "peak_MiB", ".0f"),
+        ("max abs err", "max_abs_err", ".1e"),
+    ]
+    head = (
+        f"Attention layer fwd+bwd, causal, B=1, H=8, D=64, {meta['dtype']}, gloo CPU ranks (1 thread each) on "
+        f"{meta['machine']['cores']} cores ({meta['machine']['cpu']}, torch {meta['machine']['torch']}), median of "
+        f"{meta['reps']} after a warm-up, slowest rank. efficiency = T_limit / T with T_limit = T_single / min(P, cores); "
+        f"T_single (one process, one thread, same kernel): "
+        + ", ".join(f"S/H_kv={k}: {v:.3f} s" for k, v in meta["T_single_s"].items())
+        + ". vs fastest peer < 1 means faster than every peer row of that (P, H_kv, S). balance = max/mean score pairs per rank. "
+        "max abs err: out, dq, dk, dv vs an fp64 single-process reference at S=512.\n\n"
+    )
+    return head + _table(rows, cols) + _not_run(result["rows"])
+
+
+def e2e_markdown(result: dict) -> str:
+    rows = sorted(
+        (r for r in result["rows"] if r["status"] == "ok"), key=lambda r: (r["P"], r["S"], r["system"])
+    )
+    cols = [
+        ("P", "P", "d"),
+        ("S", "S", "d"),
+        ("system", "system", "s"),
+        ("step (s)", "time_s", ".3f"),
+        ("tokens/s", "tokens_per_s", ".0f"),
+        ("peak MiB/rank", "peak_MiB", ".1f"),
+        ("first-step loss", "loss", ".6f"),
+    ]
+    head = (
+        f"Training step of {result['meta']['model']}: forward, SP-group loss, backward, gradient all-reduce, AdamW; "
+        f"median of {result['meta']['reps']} after a warm-up, slowest rank; peak = resident memory growth during one step, max over ranks.\n\n"
+    )
+    return head + _table(rows, cols) + _not_run(result["rows"])
+
+
+def memory_markdown(result: dict) -> str:
+    cols = [
+        ("system", "peer", "s"),
+        ("P", "P", "d"),
+        ("largest S within budget", "largest_S", "d"),
+        ("vs P=1", "vs_P1", ".2f"),
+    ]
+    head = (
+        f"Largest sequence whose training step ({result['meta']['model']}) stays within "
+        f"{result['meta']['budget_MiB_per_rank']:.0f} MiB of peak resident memory growth per rank (S grows by 1.25x per probe).\n\n"
+    )
+    probes = _table(
+        sorted(result["rows"], key=lambda r: (r.get("peer", ""), r["P"], r.get("S", 0))),
+        [
+            ("system", "peer", "s"),
+            ("P", "P", "d"),
+            ("S", "S", "d"),
+            ("peak MiB/rank", "peak_MiB", ".1f"),
+            ("fits", "fits", ""),
+        ],
+    )
+    return head + _table(result["summary"], cols) + "\nProbes:\n\n" + probes
+
+
+def _plot_attention(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in result["rows"] if r["status"] == "ok"]
+    panels = sorted({(r["P"], r["H_kv"]) for r in ok})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (world, h_kv) in zip(axes[0], panels):
+        for system in sorted({r["system"] for r in ok}):
+            pts = sorted(
+                (r["S"], r["time_s"]) for r in ok if (r["P"], r["H_kv"], r["system"]) == (world, h_kv, system)
+            )
+            if pts:
+                style = "-o" if system.startswith("ds_seqpar") else "--x"
+                ax.plot(*zip(*pts), style, label=system, linewidth=2 if system.startswith("ds_seqpar") else 1)
+        limits = sorted({(r["S"], r["T_limit_s"]) for r in ok if (r["P"], r["H_kv"]) == (world, h_kv)})
+        ax.plot(*zip(*limits), ":k", label="T_limit")
+        ax.set(xscale="log", yscale="log", xlabel="S", ylabel="fwd+bwd s", title=f"P={world}, H_kv={h_kv}")
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_e2e(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in result["rows"] if r["status"] == "ok"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for world, system in sorted({(r["P"], r["system"]) for r in ok}):
+        pts = sorted(
+            (r["S"], r["tokens_per_s"], r["peak_MiB"]) for r in ok if (r["P"], r["system"]) == (world, system)
+        )
+        style = "-o" if system.startswith("ds_seqpar") else "--x"
+        a1.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{system} P={world}")
+        a2.plot([p[0] for p in pts], [p[2] for p in pts], style, label=f"{system} P={world}")
+    a1.set(xscale="log", xlabel="S", ylabel="tokens/s", title="training step throughput")
+    a2.set(xscale="log", yscale="log", xlabel="S", ylabel="peak MiB per rank", title="peak memory per rank")
+    a1.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_memory(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    rows = [r for r in result["rows"] if r["status"] == "ok"]
+    for peer, world in sorted({(r["peer"], r["P"]) for r in rows}):
+        pts = sorted((r["S"], r["peak_MiB"]) for r in rows if (r["peer"], r["P"]) == (peer, world))
+        ax.plot(*zip(*pts), "-o" if peer == "ds_seqpar" else "--x", label=f"{peer} P={world}")
+    ax.axhline(result["meta"]["budget_MiB_per_rank"], color="k", linestyle=":", label="budget")
+    ax.set(xscale="log", xlabel="S", ylabel="peak MiB per rank", title="memory per rank vs sequence length")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_suite(suite: str, name: str, result: dict) -> str:
+    """Write ``results/<name>.md`` and ``.png``; return the markdown."""
+    markdown = {"attention": attention_markdown, "e2e": e2e_markdown, "memory": memory_markdown}[suite](
+        result
+    )
+    (RESULTS / f"{name}.md").write_text(markdown)
+    {"attention": _plot_attention, "e2e": _plot_e2e, "memory": _plot_memory}[suite](
+        result, RESULTS / f"{name}.png"
+    )
+    return markdown
+
+
+SECTIONS = [
+    ("attention", "Attention layer: ds_seqpar vs DeepSpeed Ulysses, yunchang, ring-flash-attn"),
+    ("e2e", "Training step: ds_seqpar vs DeepSpeed ALST"),
+    ("memory", "Memory: longest sequence per rank budget"),
+    ("sparse_cpu", "Sparse ring (issue 8 figures)"),
+    ("sparse_cpu_rho", "Sparse ring: imbalance ratio per balancing"),
+    ("linear_cpu", "Linear attention All-Scan (issue 9 figures)"),
+]
+
+
+def write_performance_doc() -> None:
+    """Regenerate ``docs/performance.md`` from the results present."""
+    parts = [
+        "# Performance\n",
+        "Generated by `python -m benchmarks.run --suite all` (see [benchmarks](#how-to-run)); do not edit by hand.\n",
+        "Everything below ran on the CPU development machine: gloo ranks, one thread each, on the cores listed in "
+        "each table. It measures algorithms and their overheads, not GPU speed. Peers ran in the same run on the "
+        "same machine; where a peer calls flash-attn, `benchmarks/peers/flash_attn_shim` serves the call with "
+        "PyTorch's CPU flash attention op, the same op ds_seqpar's `sdpa` kernel uses.\n",
+    ]
+    for name, title in SECTIONS:
+        md = RESULTS / f"{name}.md"
+        if not md.exists():
+            continue
+        parts.append(f"\n## {title}\n")
+        png = RESULTS / f"{name}.png"
+        if png.exists():
+            parts.append(f"\n![{name}](../benchmarks/results/{name}.png)\n")
+        parts.append("\n" + md.read_text())
+    parts.append(HOW_TO_RUN)
+    DOC.write_text("".join(parts))
+
+
+HOW_TO_RUN = """
+## How to run
+
+```bash
+bash scripts/install.sh                 # ds_seqpar and its CPU dependencies (.venv)
+bash benchmarks/peers/install.sh        # peers into benchmarks/.peers (yunchang 0.6.4, ring-flash-attn 0.1.8)
+.venv/bin/python -m benchmarks.run --suite all          # or attention | e2e | memory | sparse | linear
+.venv/bin/python -m benchmarks.run --suite attention --quick   # smoke run, results *_quick.*
+```
+
+What each peer runs:
+
+- **deepspeed DistributedAttention**: `deepspeed.sequence.layer.DistributedAttention` (DeepSpeed 0.19.8) around
+  `flash_attn_func(causal=True)` (shim), scatter heads / gather sequence, contiguous shards.
+- **yunchang** 0.6.4: `UlyssesAttention` for U = P (its `LongContextAttention` with a ring of one sends K/V to
+  itself, which gloo refuses) and `LongContextAttention(ring_impl_type="zigzag", attn_type=AttnType.FA)` for
+  R > 1, inputs sharded with yunchang's own `zigzag_extract_local`.
+- **ring-flash-attn** 0.1.8: `zigzag_ring_flash_attn_func` (zigzag shards) and `ring_flash_attn_func`
+  (contiguous shards). Its HF adapter imports a helper transformers 5 removed; the suite defines it before
+  import (the adapter is not used).
+- **DeepSpeed ALST**: `UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", P, 1)` on the same tiny
+  Llama (same seed, same batch), contiguous shards with global `position_ids`, the same token-weighted loss.
+
+The attention suite runs in bf16: the ring peers only produce correct gradients in half precision
+(in fp32 `dq_buffer.to(torch.float32)` returns the buffer itself, which the next block overwrites), which is
+also what flash-attn supports. The shim computes bf16 natively, as ds_seqpar's `sdpa` kernel does.
+"""

@@ -1,0 +1,397 @@
+"""Attention suite worker: one gloo group of P ranks times every system on every (S, H_kv) case.
+
+Launched by ``python -m benchmarks.run --suite attention`` (one ``torchrun`` per P); writes its rows
+as JSON to ``--out``. Every system gets the same global q, k, v, dout ``[1, S, H, D]`` (fp32), sharded
+the way that system expects, and is first checked against a single-process reference at a small S
+(max abs error of out, dq, dk, dv is reported). Per case and system: median fwd+bwd wall time of the
+slowest rank, bytes sent per rank (max over ranks), attention work balance (max / mean score pairs
+per rank) and peak resident memory per rank (max over ranks).
+
+Systems (a builder returns a runner, or raises ``Unsupported`` with the reason):
+    ds_seqpar      ``ds_seqpar.attention`` (auto factorisation, Ulysses, ring zigzag, U x R)
+    deepspeed      ``deepspeed.sequence.layer.DistributedAttention`` (Ulysses) + flash local attention
+    yunchang       ``yunchang.LongContextAttention`` (USP; zigzag ring), flash-attn via the shim
+    ring-flash-attn  ``zigzag_ring_flash_attn_func`` / ``ring_flash_attn_func`` via the shim
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import measure, peers
+
+Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Unsupported(Exception):
+    """This system cannot run this case; the message says why (it goes into the table)."""
+
+
+@dataclass
+class System:
+    name: str  # row label
+    peer: str  # ds_seqpar | deepspeed | yunchang | ring-flash-attn
+    detail: str  # what exactly ran
+    build: Callable[[int, int], tuple[Runner, Callable[[torch.Tensor], torch.Tensor]]]
+    # build(H, H_kv) -> (run(q, k, v) -> out, shard(x_global [B, S, ...]) -> this rank's tokens)
+
+
+def _zigzag(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    chunks = x.chunk(2 * world, dim=1)
+    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim=1).contiguous()
+
+
+def _contiguous(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    return x.chunk(world, dim=1)[rank].contiguous()
+
+
+# ---------------------------------------------------------------------------------------------- systems
+
+
+def _auto(world: int, h: int, h_kv: int) -> int:
+    from ds_seqpar.config import auto_ulysses_degree
+
+    return auto_ulysses_degree(world, h, h_kv)
+
+
+def _ds_seqpar(ulysses: int | str, ctx: dict) -> Callable:
+    def build(h: int, h_kv: int):
+        import ds_seqpar
+        import ds_seqpar.parallel.ring as ring
+        from ds_seqpar import SeqParMesh, SequenceParallelConfig
+
+        world = dist.get_world_size()
+        u = _auto(world, h, h_kv) if ulysses == "auto" else ulysses
+        if world % u or u > h:
+            raise Unsupported(f"U={u} does not divide P={world} or exceeds H={h}")
+        key = f"mesh{u}"
+        if key not in ctx:
+            ctx[key] = SeqParMesh.build(world, u)
+        mesh = ctx[key]
+        mesh.config = SequenceParallelConfig(size=world, ulysses_degree=u, ring={"layout": "zigzag"})
+        _count_ds_seqpar_pairs(ring)
+        layout = ds_seqpar.input_layout(mesh)
+        rank = mesh.coords.sp_rank
+
+        def run(q, k, v):
+            return ds_seqpar.attention(q, k, v, mesh=mesh, causal=True)
+
+        return run, lambda x: layout.shard(x, rank, dim=1).contiguous()
+
+    build.ulysses = ulysses
+    return build
+
+
+def _count_ds_seqpar_pairs(ring) -> None:
+    """Count ds_seqpar's kernel calls (score pairs) the way the flash shim counts the peers'."""
+    if getattr(ring, "_bench_counted", False):
+        return
+    from flash_attn import flash_attn_interface as shim
+
+    for name in ("block_attn_forward", "block_attn_backward"):
+        original = getattr(ring, name)
+        q_arg = 0 if name == "block_attn_forward" else 1
+
+        def counted(*args, _original=original, _q=q_arg, **kwargs):
+            q, k = args[_q], args[_q + 1]
+            causal = kwargs.get("causal", False)
+            shim.PAIRS[0] += measure.attention_pairs(q.shape[1], k.shape[1], q.shape[2], q.shape[0], causal)
+            return _original(*args, **kwargs)
+
+        setattr(ring, name, counted)
+    ring._bench_counted = True
+
+
+def _deepspeed_ulysses(ctx: dict) -> Callable:
+    def build(h: int, h_kv: int):
+        import deepspeed
+        from deepspeed.sequence.layer import DistributedAttention
+        from flash_attn import flash_attn_func
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if h % world:
+            raise Unsupported(
+                f"DistributedAttention splits heads evenly: H={h} is not a multiple of P={world}"
+            )
+        if not ctx.get("ds_comm"):
+            deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+            ctx["ds_comm"] = True
+
+        def local(q, k, v, *args, **kwargs):
+            return flash_attn_func(q, k, v, causal=True)
+
+        attn = DistributedAttention(local, dist.group.WORLD, scatter_idx=2, gather_idx=1)
+
+        def run(q, k, v):
+            return attn(q, k, v, 0)
+
+        return run, lambda x: _contiguous(x, rank, world)
+
+    return build
+
+
+def _yunchang(u: int, ring_impl: str, ctx: dict) -> Callable:
+    def build(h: int, h_kv: int):
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if ctx["missing"].get("yunchang"):
+            raise Unsupported(ctx["missing"]["yunchang"])
+        import yunchang
+        from yunchang.comm.extract_local import EXTRACT_FUNC_DICT
+        from yunchang.kernels import AttnType
+
+        r = world // u
+        if h % u or h_kv % u:
+            raise Unsupported(
+                f"yunchang's all-to-all splits q and k/v heads evenly: H={h}, H_kv={h_kv}, U={u}"
+            )
+        key = f"yunchang{u}"
+        if ctx.get("yunchang_pg") != key:
+            yunchang.set_seq_parallel_pg(u, r, rank, world)
+            ctx["yunchang_pg"] = key
+        if r == 1:
+            # LongContextAttention with a ring of one sends K/V to itself, which gloo refuses
+            # ("Pair is not connected"); yunchang's own Ulysses layer is the U = P system
+            from yunchang.globals import PROCESS_GROUP
+
+            attn = yunchang.UlyssesAttention(PROCESS_GROUP.ULYSSES_PG, attn_type=AttnType.FA)
+        else:
+            attn = yunchang.LongContextAttention(ring_impl_type=ring_impl, attn_type=AttnType.FA)
+        extract = EXTRACT_FUNC_DICT[ring_impl]
+
+        def run(q, k, v):
+            return attn(q, k, v, causal=True)
+
+        return run, lambda x: extract(x, rank, world, r, u).contiguous()
+
+    return build
+
+
+def _ring_flash_attn(kind: str, ctx: dict) -> Callable:
+    def build(h: int, h_kv: int):
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if ctx["missing"].get("ring_flash_attn"):
+            raise Unsupported(ctx["missing"]["ring_flash_attn"])
+        import ring_flash_attn
+
+        fn = {
+            "zigzag": ring_flash_attn.zigzag_ring_flash_attn_func,
+            "basic": ring_flash_attn.ring_flash_attn_func,
+        }[kind]
+        shard = _zigzag if kind == "zigzag" else _contiguous
+
+        def run(q, k, v):
+            return fn(q, k, v, causal=True, group=dist.group.WORLD)
+
+        return run, lambda x: shard(x, rank, world)
+
+    return build
+
+
+def systems(world: int, ctx: dict) -> list[System]:
+    rows = [
+        System(
+            "ds_seqpar auto",
+            "ds_seqpar",
+            "ds_seqpar.attention, ulysses_degree=auto, zigzag ring",
+            _ds_seqpar("auto", ctx),
+        ),
+        System(f"ds_seqpar ulysses {world}x1", "ds_seqpar", "U=P, R=1", _ds_seqpar(world, ctx)),
+        System(f"ds_seqpar ring 1x{world} zigzag", "ds_seqpar", "U=1, R=P, zigzag", _ds_seqpar(1, ctx)),
+    ]
+    if world == 4:
+        rows.append(System("ds_seqpar usp 2x2 zigzag", "ds_seqpar", "U=2, R=2, zigzag", _ds_seqpar(2, ctx)))
+    rows += [
+        System(
+            "deepspeed DistributedAttention",
+            "deepspeed",
+            "Ulysses all-to-all + flash_attn_func (shim)",
+            _deepspeed_ulysses(ctx),
+        ),
+        System(
+            f"yunchang ulysses {world}x1",
+            "yunchang",
+            "UlyssesAttention, U=P",
+            _yunchang(world, "zigzag", ctx),
+        ),
+        System(
+            f"yunchang ring 1x{world} zigzag",
+            "yunchang",
+            "LongContextAttention, U=1, zigzag ring",
+            _yunchang(1, "zigzag", ctx),
+        ),
+    ]
+    if world == 4:
+        rows.append(
+            System(
+                "yunchang usp 2x2 zigzag",
+                "yunchang",
+                "LongContextAttention, U=2, R=2, zigzag",
+                _yunchang(2, "zigzag", ctx),
+            )
+        )
+    rows += [
+        System(
+            "ring-flash-attn zigzag",
+            "ring-flash-attn",
+            "zigzag_ring_flash_attn_func",
+            _ring_flash_attn("zigzag", ctx),
+        ),
+        System(
+            "ring-flash-attn ring",
+            "ring-flash-attn",
+            "ring_flash_attn_func (contiguous)",
+            _ring_flash_attn("basic", ctx),
+        ),
+    ]
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+
+
+def _inputs(seq_len: int, h: int, h_kv: int, d: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seq_len + h_kv)
+    return [torch.randn(1, seq_len, n, d, generator=g).to(dtype) for n in (h, h_kv, h_kv, h)]
+
+
+def _reference(q, k, v, dout):
+    """Single-process causal attention with gradients, on the full sequence."""
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    rep = q.shape[2] // k.shape[2]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.repeat_interleave(rep, 2).transpose(1, 2),
+        v.repeat_interleave(rep, 2).transpose(1, 2),
+        is_causal=True,
+    ).transpose(1, 2)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _max_error(run: Runner, shard, global_inputs) -> float:
+    q, k, v, dout = global_inputs
+    ref = _reference(q.double(), k.double(), v.double(), dout.double())
+    local = [shard(x).requires_grad_(i < 3) for i, x in enumerate((q, k, v, dout))]
+    out = run(*local[:3])
+    out.backward(local[3])
+    got = (out.detach(), local[0].grad, local[1].grad, local[2].grad)
+    err = max(float((g.double() - shard(r)).abs().max()) for g, r in zip(got, ref))
+    t = torch.tensor([err])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _max_over_ranks(value: float) -> tuple[float, float]:
+    vals = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(vals, torch.tensor([float(value)]))
+    xs = [v.item() for v in vals]
+    return max(xs), sum(xs) / len(xs)
+
+
+def measure_case(run: Runner, shard, global_inputs, reps: int) -> dict:
+    from flash_attn import flash_attn_interface as shim
+
+    q, k, v, dout = (shard(x) for x in global_inputs)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+
+    def step() -> None:
+        run(q, k, v).backward(dout)
+
+    times = measure.slowest_rank_times(step, reps)
+    shim.PAIRS[0] = 0
+    with measure.PeakMemory() as mem, measure.SentBytes() as sent:
+        step()
+    pairs_max, pairs_mean = _max_over_ranks(shim.PAIRS[0])
+    return {
+        "time_s": measure.median(times),
+        "times_s": times,
+        "sent_MiB": _max_over_ranks(sent.total / 2**20)[0],
+        "balance": pairs_max / pairs_mean if pairs_mean else float("nan"),
+        "pairs_per_rank_max": pairs_max,
+        "peak_MiB": _max_over_ranks(mem.peak_mib)[0],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seq-lens", type=int, nargs="+", required=True)
+    parser.add_argument("--kv-heads", type=int, nargs="+", default=[8, 2])
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--check-len", type=int, default=512)
+    parser.add_argument("--only", default=None, help="comma-separated peers to run (default: all)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ctx: dict = {"missing": peers.activate()}
+    only = None if args.only is None else set(args.only.split(","))
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    rows = []
+    for system in systems(world, ctx):
+        if only is not None and system.peer not in only:
+            continue
+        for h_kv in args.kv_heads:
+            if (
+                system.peer == "ds_seqpar"
+                and system.name != "ds_seqpar auto"
+                and system.build.ulysses == _auto(world, args.heads, h_kv)
+            ):
+                continue  # the same run as the "ds_seqpar auto" row
+            base = {
+                "system": system.name,
+                "peer": system.peer,
+                "detail": system.detail,
+                "P": world,
+                "H": args.heads,
+                "H_kv": h_kv,
+                "D": args.dim,
+                "dtype": args.dtype,
+            }
+            try:
+                run, shard = system.build(args.heads, h_kv)
+                error = _max_error(run, shard, _inputs(args.check_len, args.heads, h_kv, args.dim, dtype))
+            except Unsupported as why:
+                rows += [{**base, "S": s, "status": "unsupported", "why": str(why)} for s in args.seq_lens]
+                continue
+            except Exception as exc:
+                why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+                rows += [{**base, "S": s, "status": "failed", "why": why} for s in args.seq_lens]
+                continue
+            if system.peer == "ds_seqpar":
+                u = _auto(world, args.heads, h_kv) if system.build.ulysses == "auto" else system.build.ulysses
+                base["detail"] += f" (U={u}, R={world // u})"
+            for seq_len in args.seq_lens:
+                result = measure_case(
+                    run, shard, _inputs(seq_len, args.heads, h_kv, args.dim, dtype), args.reps
+                )
+                rows.append({**base, "S": seq_len, "status": "ok", "max_abs_err": error, **result})
+                if rank == 0:
+                    print(
+                        f"[attention P={world}] {system.name} H_kv={h_kv} S={seq_len}: "
+                        f"{result['time_s']:.3f} s  (err {error:.1e})",
+                        flush=True,
+                    )
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # peers leave process groups behind; do not wait on their teardown
+
+
+if __name__ == "__main__":
+    main()

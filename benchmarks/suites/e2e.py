@@ -1,0 +1,233 @@
+"""End-to-end and memory suite worker: a tiny Llama training step under each SP system.
+
+Launched by ``python -m benchmarks.run --suite e2e|memory`` (one ``torchrun`` per P); writes JSON rows
+to ``--out``. The model is ``assets/tiny-llama``'s config with random weights (seed 0), fp32; the
+batch is one random sequence of S tokens. A step is: forward, token-weighted loss over the SP group,
+backward, gradient all-reduce (sum) over the SP group, AdamW step. Both systems use the same loss
+semantics, so their first-step losses must agree (reported as ``loss``).
+
+Systems:
+    ds_seqpar  ``SeqParCausalLM`` + ``shard_batch`` (ulysses_degree auto, zigzag ring), attention "ds_seqpar"
+    alst       DeepSpeed ALST: ``UlyssesSPAttentionHF.register_with_transformers`` over HF "sdpa",
+               contiguous shards with global position_ids
+
+``e2e`` mode: time (median of slowest rank), tokens/s and peak memory per rank for each S.
+``memory`` mode: for growing S, the peak memory per rank of one step, until it passes ``--budget-mib``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import measure
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_DIR = ROOT / "assets" / "tiny-llama"
+
+
+def _model(attn: str) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.from_pretrained(MODEL_DIR)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+
+
+def _ids(seq_len: int, vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seq_len)
+    return torch.randint(4, vocab, (1, seq_len), generator=g)
+
+
+def _sum_grads(model: torch.nn.Module) -> None:
+    if dist.get_world_size() == 1:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+class DsSeqpar:
+    name = "ds_seqpar auto (zigzag)"
+    detail = "SeqParCausalLM + shard_batch, ulysses_degree=auto, zigzag ring, sdpa kernel"
+
+    def __init__(self) -> None:
+        from ds_seqpar import SeqParCausalLM, SeqParMesh, SequenceParallelConfig
+        from ds_seqpar.config import auto_ulysses_degree
+
+        world = dist.get_world_size()
+        model = _model("sdpa")
+        u = auto_ulysses_degree(world, model.config.num_attention_heads, model.config.num_key_value_heads)
+        self.mesh = SeqParMesh.build(world, u)
+        self.mesh.config = SequenceParallelConfig(size=world, ulysses_degree=u, ring={"layout": "zigzag"})
+        self.detail += f" (U={u}, R={world // u})"
+        self.model = SeqParCausalLM(model, self.mesh)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.vocab = model.config.vocab_size
+
+    def step(self, ids: torch.Tensor) -> float:
+        from ds_seqpar import shard_batch
+
+        batch = shard_batch({"input_ids": ids}, self.mesh)
+        loss = self.model(**batch)
+        loss.backward()
+        _sum_grads(self.model)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+
+class Alst:
+    name = "DeepSpeed ALST (UlyssesSPAttentionHF)"
+    detail = "register_with_transformers(core 'sdpa'), contiguous shards, global position_ids"
+
+    def __init__(self) -> None:
+        import deepspeed
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        self.model = _model("sdpa")
+        world = dist.get_world_size()
+        self.mpu = UlyssesSPAttentionHF.register_with_transformers(
+            model_name_or_path=self.model,
+            core_attn_implementation="sdpa",
+            sequence_parallel_size=world,
+            micro_batch_size=1,
+            seq_length_is_variable=True,
+        )
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.vocab = self.model.config.vocab_size
+
+    def step(self, ids: torch.Tensor) -> float:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        seq_len = ids.shape[1]
+        labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)  # shifted before sharding
+        n = seq_len // world
+        part = slice(rank * n, (rank + 1) * n)
+        positions = torch.arange(seq_len)[None, part]
+        logits = self.model(input_ids=ids[:, part], position_ids=positions, use_cache=False).logits
+        local = torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), labels[:, part].reshape(-1), reduction="sum"
+        )
+        count = (labels != -100).sum().float()  # the whole sequence's labelled tokens
+        loss = local / count
+        loss.backward()
+        _sum_grads(self.model)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+        return float(total)
+
+
+SYSTEMS = {"ds_seqpar": DsSeqpar, "alst": Alst}
+
+
+def _max_over_ranks(value: float) -> float:
+    t = torch.tensor([float(value)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def run_e2e(system, seq_lens: list[int], reps: int) -> list[dict]:
+    rows = []
+    for seq_len in seq_lens:
+        ids = _ids(seq_len, system.vocab)
+        first = {}
+
+        def step(ids: torch.Tensor = ids, first: dict = first) -> None:
+            first.setdefault("loss", system.step(ids))
+
+        times = measure.slowest_rank_times(step, reps)
+        with measure.PeakMemory() as mem:
+            step()
+        t = measure.median(times)
+        rows.append(
+            {
+                "S": seq_len,
+                "status": "ok",
+                "time_s": t,
+                "times_s": times,
+                "tokens_per_s": seq_len / t,
+                "peak_MiB": _max_over_ranks(mem.peak_mib),
+                "loss": first["loss"],
+            }
+        )
+        if dist.get_rank() == 0:
+            print(f"[e2e P={dist.get_world_size()}] {system.name} S={seq_len}: {t:.3f} s", flush=True)
+    return rows
+
+
+def run_memory(system, start: int, growth: float, budget_mib: float, max_len: int) -> list[dict]:
+    world = dist.get_world_size()
+    multiple = 2 * world * 64
+    rows, seq_len = [], start
+    while seq_len <= max_len:
+        seq_len = max(multiple, seq_len // multiple * multiple)
+        ids = _ids(seq_len, system.vocab)
+        system.step(ids)  # warm-up (optimizer state, caches)
+        with measure.PeakMemory() as mem:
+            system.step(ids)
+        peak = _max_over_ranks(mem.peak_mib)
+        rows.append({"S": seq_len, "status": "ok", "peak_MiB": peak, "fits": peak <= budget_mib})
+        if dist.get_rank() == 0:
+            print(f"[memory P={world}] {system.name} S={seq_len}: peak {peak:.1f} MiB/rank", flush=True)
+        if peak > budget_mib:
+            break
+        seq_len = int(seq_len * growth) + multiple
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--mode", choices=["e2e", "memory"], required=True)
+    parser.add_argument("--systems", default="ds_seqpar,alst")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--budget-mib", type=float, default=512.0)
+    parser.add_argument("--start", type=int, default=2048)
+    parser.add_argument("--growth", type=float, default=1.25)
+    parser.add_argument("--max-len", type=int, default=262144)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    rows = []
+    for key in args.systems.split(","):
+        try:
+            system = SYSTEMS[key]()
+        except Exception as exc:
+            rows.append(
+                {"system": key, "P": world, "status": "failed", "why": f"{type(exc).__name__}: {exc}"[:300]}
+            )
+            continue
+        base = {"system": system.name, "peer": key, "detail": system.detail, "P": world}
+        if args.mode == "e2e":
+            got = run_e2e(system, args.seq_lens, args.reps)
+        else:
+            got = run_memory(system, args.start, args.growth, args.budget_mib, args.max_len)
+        rows += [{**base, **r} for r in got]
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

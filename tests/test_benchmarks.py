@@ -1,0 +1,124 @@
+"""The benchmark suite's own machinery: the flash-attn CPU shim, the byte counter, task coalescing, reports.
+
+A benchmark that measures the wrong thing is worse than none: the shim must compute exact attention
+(the peers' numbers rest on it), the byte counter must agree with ds_seqpar's own accounting, and
+the ring engine must issue one kernel call where the mask allows it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import ds_seqpar
+from benchmarks import measure, peers
+from benchmarks.report import attention_markdown
+from ds_seqpar import SeqParMesh, SequenceParallelConfig
+from ds_seqpar.layout import SeqLayout
+from ds_seqpar.ops.masks import BlockKind, MaskSpec
+from ds_seqpar.ops.reference import dense_attention_reference
+from ds_seqpar.parallel.ring import RingPlan, _query_meta, _tasks, build_schedule
+
+
+@pytest.fixture(scope="module")
+def shim():
+    if str(peers.SHIM) not in sys.path:
+        sys.path.insert(0, str(peers.SHIM))
+    from flash_attn import flash_attn_interface
+
+    return flash_attn_interface
+
+
+@pytest.mark.parametrize(("h", "h_kv", "causal"), [(4, 4, True), (4, 2, True), (4, 1, False)])
+def test_flash_shim_matches_reference(shim, h: int, h_kv: int, causal: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(2, 48, h, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, 48, h_kv, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    out, lse, _, _ = shim._flash_attn_forward(q, k, v, 0.0, 0.25, causal)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    shim._flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0, 0.25, causal)
+
+    q_r, k_r, v_r = (x.clone().requires_grad_() for x in (q, k, v))
+    mask = torch.ones(48, 48, dtype=torch.bool).tril() if causal else None
+    ref_out, ref_lse = dense_attention_reference(q_r, k_r, v_r, mask, scale=0.25)
+    ref_out.backward(dout)
+    for got, want in ((out, ref_out), (lse, ref_lse), (dq, q_r.grad), (dk, k_r.grad), (dv, v_r.grad)):
+        assert torch.allclose(got.double(), want.double(), atol=1e-10), (got - want).abs().max()
+
+
+def test_flash_shim_refuses_what_it_does_not_serve(shim) -> None:
+    q = torch.randn(1, 8, 2, 4)
+    with pytest.raises(NotImplementedError, match="window_size"):
+        shim._flash_attn_forward(q, q, q, 0.0, 0.5, True, window_size_left=4)
+    with pytest.raises(NotImplementedError, match="varlen"):
+        shim._flash_attn_varlen_forward(q, q, q)
+
+
+def sent_bytes_vs_comm_stats(u: int) -> tuple[int, int]:
+    world = torch.distributed.get_world_size()
+    mesh = SeqParMesh.build(world, u)
+    mesh.config = SequenceParallelConfig(size=world, ulysses_degree=u, ring={"layout": "zigzag"})
+    q, k, v = (torch.randn(1, 16, 4, 8, requires_grad=True) for _ in range(3))
+    with measure.SentBytes() as sent, mesh.comm_stats.measure() as region:
+        ds_seqpar.attention(q, k, v, mesh=mesh).sum().backward()
+    return sent.total, region.total_bytes
+
+
+@pytest.mark.parametrize("u", [1, 2, 4])
+def test_sent_bytes_agree_with_comm_stats(dist_pool, u: int) -> None:
+    """The generic counter (used for every peer row) counts exactly what ds_seqpar records itself."""
+    for counted, recorded in dist_pool(4).run(sent_bytes_vs_comm_stats, u):
+        assert counted == recorded > 0
+
+
+def zigzag_calls_per_step() -> list[list[str]]:
+    world = torch.distributed.get_world_size()
+    mesh = SeqParMesh.build(world, 1)
+    plan = RingPlan(build_schedule(mesh), SeqLayout("zigzag", world), MaskSpec(causal=True))
+    q_pos, q_doc = _query_meta(plan, 64, torch.device("cpu"))
+    return [[t.kind.value for t in _tasks(plan, 64, owner, q_pos, q_doc)] for owner in range(world)]
+
+
+def test_zigzag_runs_one_kernel_call_per_step(dist_pool) -> None:
+    """Own block: one top-left causal call; every other block: one FULL rectangle (no masks)."""
+    for rank, kinds in enumerate(dist_pool(4).run(zigzag_calls_per_step)):
+        for owner, calls in enumerate(kinds):
+            want = BlockKind.CAUSAL.value if owner == rank else BlockKind.FULL.value
+            assert calls == [want], (rank, owner, calls)
+
+
+def test_attention_report_lists_rows_and_what_could_not_run() -> None:
+    ok = {
+        "P": 2,
+        "H_kv": 8,
+        "S": 4096,
+        "status": "ok",
+        "time_s": 0.5,
+        "efficiency": 0.9,
+        "sent_MiB": 8.0,
+        "balance": 1.0,
+        "peak_MiB": 10.0,
+        "max_abs_err": 0.01,
+        "system": "ds_seqpar auto",
+        "peer": "ds_seqpar",
+    }
+    bad = {
+        "P": 2,
+        "H_kv": 2,
+        "S": 4096,
+        "status": "unsupported",
+        "why": "H_kv=2 < U=4",
+        "system": "x",
+        "peer": "x",
+    }
+    meta = {
+        "dtype": "bf16",
+        "machine": {"cores": 2, "cpu": "cpu", "torch": "2"},
+        "reps": 3,
+        "T_single_s": {"4096/8": 0.9},
+    }
+    text = attention_markdown({"meta": meta, "rows": [ok, bad]})
+    assert "| 2 | 8 | 4096 | ds_seqpar auto | 0.500 | 0.900 | – |" in text
+    assert "- **x** (P=2, H_kv=2): unsupported: H_kv=2 < U=4" in text
