@@ -110,24 +110,20 @@ def suite_attention(args: argparse.Namespace) -> dict:
     worlds = [2] if args.quick else [2, 4]
     reps = 1 if args.quick else args.reps
     kv_heads = [8, 2]
+    # short cases are cheap and noisier: more repetitions for them
+    short_reps = reps if args.quick else max(reps, 9)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     rows = []
     for world in worlds:
-        extra = [
-            "--seq-lens",
-            *map(str, seq_lens),
-            "--kv-heads",
-            *map(str, kv_heads),
-            "--reps",
-            str(reps),
-            "--dtype",
-            args.dtype,
-        ]
-        rows += _worker_rows(world, "benchmarks.suites.attention", extra, timeout=args.timeout)
+        for seq_len in seq_lens:
+            extra = ["--seq-lens", str(seq_len), "--kv-heads", *map(str, kv_heads)]
+            extra += ["--reps", str(short_reps if seq_len <= 4096 else reps), "--dtype", args.dtype]
+            rows += _worker_rows(world, "benchmarks.suites.attention", extra, timeout=args.timeout)
     single = {}
     for seq_len in seq_lens:
         for h_kv in kv_heads:
-            single[(seq_len, h_kv)] = single_kernel_time(seq_len, 8, h_kv, 64, dtype, reps)
+            n = short_reps if seq_len <= 4096 else reps
+            single[(seq_len, h_kv)] = single_kernel_time(seq_len, 8, h_kv, 64, dtype, n)
             print(
                 f"[attention] T_single S={seq_len} H_kv={h_kv}: {single[(seq_len, h_kv)]:.3f} s", flush=True
             )
@@ -153,7 +149,7 @@ def suite_attention(args: argparse.Namespace) -> dict:
         "meta": {
             "machine": _machine(),
             "dtype": args.dtype,
-            "reps": reps,
+            "reps": f"{short_reps} (S <= 4096), {reps} (longer)",
             "seq_lens": seq_lens,
             "worlds": worlds,
             "T_single_s": {f"{s}/{h}": t for (s, h), t in single.items()},

@@ -3,8 +3,8 @@
 Launched by ``python -m benchmarks.run --suite attention`` (one ``torchrun`` per P); writes its rows
 as JSON to ``--out``. Every system gets the same global q, k, v, dout ``[1, S, H, D]`` (fp32), sharded
 the way that system expects, and is first checked against a single-process reference at a small S
-(max abs error of out, dq, dk, dv is reported). Per case and system: median fwd+bwd wall time of the
-slowest rank, bytes sent per rank (max over ranks), attention work balance (max / mean score pairs
+(max abs error of out, dq, dk, dv is reported). Per case, the systems are timed round-robin (median fwd+bwd wall time of the
+slowest rank), then bytes sent per rank (max over ranks), attention work balance (max / mean score pairs
 per rank) and peak resident memory per rank (max over ranks).
 
 Systems (a builder returns a runner, or raises ``Unsupported`` with the reason):
@@ -144,6 +144,7 @@ def _yunchang(u: int, ring_impl: str, ctx: dict) -> Callable:
             raise Unsupported(ctx["missing"]["yunchang"])
         import yunchang
         from yunchang.comm.extract_local import EXTRACT_FUNC_DICT
+        from yunchang.globals import PROCESS_GROUP
         from yunchang.kernels import AttnType
 
         r = world // u
@@ -158,8 +159,6 @@ def _yunchang(u: int, ring_impl: str, ctx: dict) -> Callable:
         if r == 1:
             # LongContextAttention with a ring of one sends K/V to itself, which gloo refuses
             # ("Pair is not connected"); yunchang's own Ulysses layer is the U = P system
-            from yunchang.globals import PROCESS_GROUP
-
             attn = yunchang.UlyssesAttention(PROCESS_GROUP.ULYSSES_PG, attn_type=AttnType.FA)
         else:
             attn = yunchang.LongContextAttention(ring_impl_type=ring_impl, attn_type=AttnType.FA)
@@ -168,7 +167,14 @@ def _yunchang(u: int, ring_impl: str, ctx: dict) -> Callable:
         def run(q, k, v):
             return attn(q, k, v, causal=True)
 
-        return run, lambda x: extract(x, rank, world, r, u).contiguous()
+        groups = (PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG)
+
+        def shard(x: torch.Tensor) -> torch.Tensor:
+            # yunchang's extract reads its global groups: give it this system's (others may have replaced them)
+            PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG = groups
+            return extract(x, rank, world, r, u).contiguous()
+
+        return run, shard
 
     return build
 
@@ -275,7 +281,7 @@ def _reference(q, k, v, dout):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _max_error(run: Runner, shard, global_inputs) -> float:
+def _max_error(run: Runner, shard, global_inputs: list[torch.Tensor]) -> float:
     q, k, v, dout = global_inputs
     ref = _reference(q.double(), k.double(), v.double(), dout.double())
     local = [shard(x).requires_grad_(i < 3) for i, x in enumerate((q, k, v, dout))]
@@ -295,28 +301,47 @@ def _max_over_ranks(value: float) -> tuple[float, float]:
     return max(xs), sum(xs) / len(xs)
 
 
-def measure_case(run: Runner, shard, global_inputs, reps: int) -> dict:
-    from flash_attn import flash_attn_interface as shim
-
+def _prepared(run: Runner, shard, global_inputs) -> Callable[[], None]:
+    """One fwd+bwd step of this system on its shard of the inputs."""
     q, k, v, dout = (shard(x) for x in global_inputs)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
 
     def step() -> None:
         run(q, k, v).backward(dout)
 
-    times = measure.slowest_rank_times(step, reps)
-    shim.PAIRS[0] = 0
-    with measure.PeakMemory() as mem, measure.SentBytes() as sent:
-        step()
-    pairs_max, pairs_mean = _max_over_ranks(shim.PAIRS[0])
-    return {
-        "time_s": measure.median(times),
-        "times_s": times,
-        "sent_MiB": _max_over_ranks(sent.total / 2**20)[0],
-        "balance": pairs_max / pairs_mean if pairs_mean else float("nan"),
-        "pairs_per_rank_max": pairs_max,
-        "peak_MiB": _max_over_ranks(mem.peak_mib)[0],
-    }
+    return step
+
+
+def measure_interleaved(steps: list[Callable[[], None]], reps: int) -> list[dict]:
+    """Time every system on one case, round-robin (rep 1 of each, then rep 2 of each, ...; the
+    starting system rotates), so slow drifts of a shared machine hit every row alike. Then one
+    more step each for bytes sent, work pairs and peak memory."""
+    from flash_attn import flash_attn_interface as shim
+
+    for step in steps:
+        measure.slowest_rank_times(step, reps=0, warmup=1)
+    times: list[list[float]] = [[] for _ in steps]
+    for rep in range(reps):
+        for j in range(len(steps)):
+            i = (j + rep) % len(steps)
+            times[i] += measure.slowest_rank_times(steps[i], reps=1, warmup=0)
+    results = []
+    for step, ts in zip(steps, times):
+        shim.PAIRS[0] = 0
+        with measure.PeakMemory() as mem, measure.SentBytes() as sent:
+            step()
+        pairs_max, pairs_mean = _max_over_ranks(shim.PAIRS[0])
+        results.append(
+            {
+                "time_s": measure.median(ts),
+                "times_s": ts,
+                "sent_MiB": _max_over_ranks(sent.total / 2**20)[0],
+                "balance": pairs_max / pairs_mean if pairs_mean else float("nan"),
+                "pairs_per_rank_max": pairs_max,
+                "peak_MiB": _max_over_ranks(mem.peak_mib)[0],
+            }
+        )
+    return results
 
 
 def main() -> None:
@@ -341,10 +366,11 @@ def main() -> None:
     only = None if args.only is None else set(args.only.split(","))
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     rows = []
-    for system in systems(world, ctx):
-        if only is not None and system.peer not in only:
-            continue
-        for h_kv in args.kv_heads:
+    for h_kv in args.kv_heads:
+        ready = []  # (row base, run, shard) of every system that passed its check
+        for system in systems(world, ctx):
+            if only is not None and system.peer not in only:
+                continue
             if (
                 system.peer == "ds_seqpar"
                 and system.name != "ds_seqpar auto"
@@ -363,7 +389,9 @@ def main() -> None:
             }
             try:
                 run, shard = system.build(args.heads, h_kv)
-                error = _max_error(run, shard, _inputs(args.check_len, args.heads, h_kv, args.dim, dtype))
+                base["max_abs_err"] = _max_error(
+                    run, shard, _inputs(args.check_len, args.heads, h_kv, args.dim, dtype)
+                )
             except Unsupported as why:
                 rows += [{**base, "S": s, "status": "unsupported", "why": str(why)} for s in args.seq_lens]
                 continue
@@ -374,17 +402,19 @@ def main() -> None:
             if system.peer == "ds_seqpar":
                 u = _auto(world, args.heads, h_kv) if system.build.ulysses == "auto" else system.build.ulysses
                 base["detail"] += f" (U={u}, R={world // u})"
-            for seq_len in args.seq_lens:
-                result = measure_case(
-                    run, shard, _inputs(seq_len, args.heads, h_kv, args.dim, dtype), args.reps
-                )
-                rows.append({**base, "S": seq_len, "status": "ok", "max_abs_err": error, **result})
+            ready.append((base, run, shard))
+        for seq_len in args.seq_lens:
+            inputs = _inputs(seq_len, args.heads, h_kv, args.dim, dtype)
+            steps = [_prepared(run, shard, inputs) for _, run, shard in ready]
+            for (base, _, _), result in zip(ready, measure_interleaved(steps, args.reps)):
+                rows.append({**base, "S": seq_len, "status": "ok", **result})
                 if rank == 0:
                     print(
-                        f"[attention P={world}] {system.name} H_kv={h_kv} S={seq_len}: "
-                        f"{result['time_s']:.3f} s  (err {error:.1e})",
+                        f"[attention P={world}] {base['system']} H_kv={h_kv} S={seq_len}: "
+                        f"{result['time_s']:.3f} s  (err {base['max_abs_err']:.1e})",
                         flush=True,
                     )
+            del steps, inputs
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -19,8 +19,7 @@ Contract (ALGORITHMS.md §0.1, §0.3):
 Kernels (one registry, chosen by name or ``"auto"``):
     torch       pure PyTorch, chunked over query and key blocks (memory O(chunk²)); the reference
     sdpa        PyTorch's CPU flash op (``_scaled_dot_product_flash_attention_for_cpu`` + backward);
-                bf16/fp16 run natively (fp32 accumulation inside the op, as flash-attn does); out, lse and
-                gradients come back in fp32 for merging
+                bf16/fp16 run natively (fp32 accumulation inside the op, as flash-attn does)
     flash_attn  flash-attn on CUDA for fp16/bf16: FULL and square causal blocks via the public
                 ``flash_attn_func``; explicit masks, rectangular causal and the backward (no public
                 entry point takes an external out/lse) run on the torch kernel
@@ -277,8 +276,7 @@ def _sdpa_forward(
     q_t, k_t, v_t = (x.transpose(1, 2) for x in (q, k, v))
     attn_mask = None if mask is None else _additive(mask, q.dtype)
     out, lse = getattr(torch.ops.aten, _SDPA_OP)(q_t, k_t, v_t, 0.0, causal, attn_mask=attn_mask, scale=scale)
-    acc = _acc_dtype(q.dtype)
-    out, lse = out.transpose(1, 2).to(acc), lse.to(acc)
+    out = out.transpose(1, 2)
     if mask is not None:
         empty = ~mask.any(dim=-1)  # [B|1, Sq]; the op reports lse 0 for these rows
         lse = lse.masked_fill(empty.unsqueeze(1), NEG_INF)
@@ -302,8 +300,7 @@ def _sdpa_backward(
     grads = getattr(torch.ops.aten, _SDPA_OP + "_backward")(
         do_t, q_t, k_t, v_t, o_t, lse.to(_acc_dtype(q.dtype)), 0.0, causal, attn_mask=attn_mask, scale=scale
     )
-    acc = _acc_dtype(q.dtype)
-    dq, dk, dv = (x.transpose(1, 2).to(acc) for x in grads)
+    dq, dk, dv = (x.transpose(1, 2) for x in grads)
     return dq, dk, dv
 
 
@@ -438,6 +435,7 @@ def block_attn_forward(
     mask: torch.Tensor | None = None,
     causal: bool = False,
     kernel: str | AttentionKernel = "auto",
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query block over one key/value block, with its log-sum-exp.
 
@@ -448,17 +446,21 @@ def block_attn_forward(
         causal: top-left causal by local index (key j visible iff j <= i); exclusive with ``mask``.
         kernel: ``"auto"``, a name in :data:`KERNELS`, or an :class:`AttentionKernel`.
 
+        out_dtype: dtype of ``out`` (default: the acc dtype). A caller that merges nothing (one block
+            covers the whole attention) passes q.dtype and skips two conversions.
+
     Returns:
-        ``(out [B, Sq, H, D], lse [B, H, Sq])`` in the acc dtype (fp64 for fp64 inputs, else fp32);
-        rows that see no key have out 0 and lse -inf.
+        ``(out [B, Sq, H, D], lse [B, H, Sq])``: out in ``out_dtype``, lse in the acc dtype (fp64 for
+        fp64 inputs, else fp32); rows that see no key have out 0 and lse -inf.
     """
     mask = _validate(q, k, v, mask, causal)
     kern = _resolve(kernel, q.device, q.dtype)
     (b, sq, h, d), sk = q.shape, k.shape[1]
     acc = _acc_dtype(q.dtype)
     if sq == 0 or sk == 0:
-        return q.new_zeros(b, sq, h, d, dtype=acc), q.new_full((b, h, sq), NEG_INF, dtype=acc)
-    return kern.forward(q, k, v, d**-0.5 if scale is None else scale, mask, causal)
+        return q.new_zeros(b, sq, h, d, dtype=out_dtype or acc), q.new_full((b, h, sq), NEG_INF, dtype=acc)
+    out, lse = kern.forward(q, k, v, d**-0.5 if scale is None else scale, mask, causal)
+    return out.to(out_dtype or acc), lse.to(acc)
 
 
 def block_attn_backward(
@@ -473,16 +475,19 @@ def block_attn_backward(
     mask: torch.Tensor | None = None,
     causal: bool = False,
     kernel: str | AttentionKernel = "auto",
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one (query block, key block) pair given the FINAL out / lse of the query rows.
 
     Args:
         dout, out: ``[B, Sq, H, D]`` (any float dtype); lse: ``[B, H, Sq]``; q, k, v, scale, mask,
             causal, kernel: as in :func:`block_attn_forward`.
+        grad_dtype: dtype of the gradients (default: the acc dtype, for summing over blocks).
 
     Returns:
-        ``dq [B, Sq, H, D]``, ``dk, dv [B, Sk, H_kv, D]`` (summed over each GQA group) in the acc
-        dtype. Summing them over all key blocks (dq) / query blocks (dk, dv) gives the full gradient.
+        ``dq [B, Sq, H, D]``, ``dk, dv [B, Sk, H_kv, D]`` (summed over each GQA group) in
+        ``grad_dtype``. Summing them over all key blocks (dq) / query blocks (dk, dv) gives the full
+        gradient.
     """
     mask = _validate(q, k, v, mask, causal)
     kern = _resolve(kernel, q.device, q.dtype)
@@ -492,7 +497,7 @@ def block_attn_backward(
             f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must be {tuple(q.shape)} and lse "
             f"{tuple(lse.shape)} must be {(b, h, sq)} ([B, H, Sq])"
         )
-    acc = _acc_dtype(q.dtype)
+    acc = grad_dtype or _acc_dtype(q.dtype)
     if sq == 0 or sk == 0:
         return (
             q.new_zeros(b, sq, h, d, dtype=acc),
@@ -503,4 +508,5 @@ def block_attn_backward(
     if bool(empty.any()):
         lse = lse.masked_fill(empty, 0.0)
         dout = dout.masked_fill(empty.transpose(1, 2).unsqueeze(-1), 0.0)
-    return kern.backward(dout, q, k, v, out, lse, d**-0.5 if scale is None else scale, mask, causal)
+    grads = kern.backward(dout, q, k, v, out, lse, d**-0.5 if scale is None else scale, mask, causal)
+    return tuple(g.to(acc) for g in grads)

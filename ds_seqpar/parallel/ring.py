@@ -290,6 +290,32 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingP
     return seq_len
 
 
+def _covers(rows: slice, n: int) -> bool:
+    return rows.start == 0 and rows.stop == n
+
+
+def _only_call(plan: RingPlan, tasks: list[_BlockTask], n: int) -> bool:
+    """One ring rank and one kernel call covering the whole block: nothing is ever merged."""
+    return (
+        plan.schedule.size == 1
+        and len(tasks) == 1
+        and _covers(tasks[0].q_rows, n)
+        and _covers(tasks[0].k_rows, n)
+    )
+
+
+def _accumulate(
+    acc_tensor: torch.Tensor | None, part: torch.Tensor, rows: slice, like: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``acc_tensor[:, rows] += part``; the first part covering every row becomes the accumulator."""
+    if acc_tensor is None:
+        if _covers(rows, like.shape[1]):
+            return part.contiguous()  # it may travel to the next rank (P2P needs contiguous memory)
+        acc_tensor = torch.zeros_like(like, dtype=dtype)
+    acc_tensor[:, rows] += part
+    return acc_tensor
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float):
@@ -297,16 +323,25 @@ class _RingAttention(torch.autograd.Function):
         q_pos, q_doc = _query_meta(plan, seq_len, q.device)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         b, n, h, d = q.shape
-        out = torch.zeros(b, n, h, d, dtype=acc, device=q.device)
-        lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
+        out: torch.Tensor | None = None  # the first block covering every row becomes the accumulator
+        lse: torch.Tensor | None = None
+
+        def accumulators() -> tuple[torch.Tensor, torch.Tensor]:
+            return (
+                torch.zeros(b, n, h, d, dtype=acc, device=q.device),
+                torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device),
+            )
+
         if plan.sparse is not None:
             _check_sparse(plan, q, seq_len)
+            out, lse = accumulators()
         for owner, (k_blk, v_blk) in plan.schedule.forward((k, v)):
             if plan.sparse is not None:
                 _sparse_step_forward(plan, q, k_blk, v_blk, owner, seq_len, scale, out, lse)
                 continue
             step_pairs = 0
             tasks = _tasks(plan, seq_len, owner, q_pos, q_doc)
+            only = _only_call(plan, tasks, n)
             for task in tasks:
                 out_blk, lse_blk = block_attn_forward(
                     q[:, task.q_rows],
@@ -316,14 +351,22 @@ class _RingAttention(torch.autograd.Function):
                     mask=task.mask,
                     causal=task.kind is BlockKind.CAUSAL,
                     kernel=plan.kernel,
+                    out_dtype=q.dtype if only else None,  # nothing to merge: skip the fp32 round trip
                 )
-                merge_attn_(out, lse, out_blk, lse_blk, rows=task.q_rows)
+                if out is None and _covers(task.q_rows, n):
+                    out, lse = out_blk.contiguous(), lse_blk.contiguous()
+                else:
+                    if out is None:
+                        out, lse = accumulators()
+                    merge_attn_(out, lse, out_blk, lse_blk, rows=task.q_rows)
                 step_pairs += task.pairs
             if plan.work is not None:
                 plan.work.forward_pairs += step_pairs
                 covered = sum(task.segment_pairs for task in tasks)
                 plan.work.blocks += covered
                 plan.work.skipped_blocks += len(plan.layout.segments(seq_len)) ** 2 - covered
+        if out is None:  # every block was EMPTY (e.g. a shard of padding only)
+            out, lse = accumulators()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.scale, ctx.seq_len = plan, scale, seq_len
         ctx.mark_non_differentiable(lse)
@@ -334,8 +377,8 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         plan: RingPlan = ctx.plan
         q_pos, q_doc = _query_meta(plan, ctx.seq_len, q.device)
-        acc = out.dtype
-        dq = torch.zeros_like(q, dtype=acc)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dq = torch.zeros_like(q, dtype=acc) if plan.sparse is not None else None
         steps = plan.schedule.backward((k, v))
         owner, (k_blk, v_blk) = next(steps)
         while True:
@@ -345,9 +388,10 @@ class _RingAttention(torch.autograd.Function):
                 )
                 dq += dq_p
             else:
-                dk = torch.zeros_like(k_blk, dtype=acc)
-                dv = torch.zeros_like(v_blk, dtype=acc)
-            for task in _dense_tasks(plan, ctx.seq_len, owner, q_pos, q_doc):
+                dk = dv = None
+            tasks = _dense_tasks(plan, ctx.seq_len, owner, q_pos, q_doc)
+            only = _only_call(plan, tasks, q.shape[1])
+            for task in tasks:
                 dq_p, dk_p, dv_p = block_attn_backward(
                     dout[:, task.q_rows],
                     q[:, task.q_rows],
@@ -359,17 +403,22 @@ class _RingAttention(torch.autograd.Function):
                     mask=task.mask,
                     causal=task.kind is BlockKind.CAUSAL,
                     kernel=plan.kernel,
+                    grad_dtype=q.dtype if only else None,
                 )
-                dq[:, task.q_rows] += dq_p
-                dk[:, task.k_rows] += dk_p
-                dv[:, task.k_rows] += dv_p
+                dq = _accumulate(dq, dq_p, task.q_rows, q, acc)
+                dk = _accumulate(dk, dk_p, task.k_rows, k_blk, acc)
+                dv = _accumulate(dv, dv_p, task.k_rows, v_blk, acc)
                 if plan.work is not None:
                     plan.work.backward_pairs += task.pairs
+            if dk is None:  # no block of this step was computed
+                dk, dv = torch.zeros_like(k_blk, dtype=acc), torch.zeros_like(v_blk, dtype=acc)
             try:
                 owner, (k_blk, v_blk) = steps.send((dk, dv))
             except StopIteration as done:
                 dk_local, dv_local = done.value
                 break
+        if dq is None:
+            dq = torch.zeros_like(q, dtype=acc)
         return dq.to(q.dtype), dk_local.to(k.dtype), dv_local.to(v.dtype), None, None
 
 
