@@ -47,6 +47,7 @@ def attention_markdown(result: dict) -> str:
         ("system", "system", "s"),
         ("fwd+bwd (s)", "time_s", ".3f"),
         ("efficiency", "efficiency", ".3f"),
+        ("vs ceiling", "vs_ceiling", ".3f"),
         ("vs fastest peer", "vs_fastest_peer", ".3f"),
         ("sent MiB/rank", "sent_MiB", ".1f"),
         ("balance", "balance", ".3f"),
@@ -59,7 +60,10 @@ def attention_markdown(result: dict) -> str:
         f"{meta['reps']} after a warm-up, slowest rank. efficiency = T_limit / T with T_limit = T_single / min(P, cores); "
         f"T_single (one process, one thread, same kernel): "
         + ", ".join(f"S/H_kv={k}: {v:.3f} s" for k, v in meta["T_single_s"].items())
-        + ". vs fastest peer < 1 means faster than every peer row of that (P, H_kv, S). balance = max/mean score pairs per rank. "
+        + ". vs ceiling = T_ceiling / T, with T_ceiling the time P processes take to run, at once and without any "
+        "communication, 1/P of the kernel work each (the machine's real limit: two cores running together are "
+        "slower than twice one). vs fastest peer < 1 means faster than every peer row of that (P, H_kv, S). "
+        "balance = max/mean score pairs per rank. "
         "max abs err: out, dq, dk, dv vs an fp64 single-process reference at S=512.\n\n"
     )
     return head + _table(rows, cols) + _not_run(result["rows"])

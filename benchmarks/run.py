@@ -19,7 +19,9 @@ Suites:
 
 T_limit = T_single(S) / min(P, cores): T_single is the single-process, single-thread time of the same
 local kernel (ds_seqpar's ``sdpa`` kernel: PyTorch's CPU flash op) on the whole sequence, measured
-in this run; efficiency = T_limit / T.
+in this run; efficiency = T_limit / T. T_ceiling is what this machine actually delivers for P ranks
+with zero communication: P processes at once, each running the kernel on 1/P of the work (H/P
+heads); vs ceiling = T_ceiling / T.
 """
 
 from __future__ import annotations
@@ -95,11 +97,53 @@ def single_kernel_time(seq_len: int, h: int, h_kv: int, d: int, dtype: torch.dty
     times = []
     for rep in range(reps + 1):
         start = time.perf_counter()
-        out, lse = block_attn_forward(q, k, v, causal=True, kernel="sdpa")
-        block_attn_backward(dout, q, k, v, out, lse, causal=True, kernel="sdpa")
+        out, lse = block_attn_forward(q, k, v, causal=True, kernel="sdpa", out_dtype=dtype)
+        block_attn_backward(dout, q, k, v, out, lse, causal=True, kernel="sdpa", grad_dtype=dtype)
         if rep:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _ceiling_rank(
+    barrier, queue, seq_len: int, h: int, h_kv: int, d: int, dtype: torch.dtype, reps: int
+) -> None:
+    from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(seq_len)
+    q, dout = (torch.randn(1, seq_len, h, d, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(1, seq_len, h_kv, d, generator=g).to(dtype) for _ in range(2))
+    times = []
+    for _ in range(reps + 1):
+        barrier.wait()
+        start = time.perf_counter()
+        out, lse = block_attn_forward(q, k, v, causal=True, kernel="sdpa", out_dtype=dtype)
+        block_attn_backward(dout, q, k, v, out, lse, causal=True, kernel="sdpa", grad_dtype=dtype)
+        times.append(time.perf_counter() - start)
+    queue.put(times[1:])
+
+
+def concurrent_kernel_time(
+    seq_len: int, world: int, h: int, h_kv: int, d: int, dtype: torch.dtype, reps: int
+) -> float:
+    """The machine's ceiling for P ranks: P processes (one thread each) run, at the same moment, the
+    local kernel on 1/P of the work (H/P heads of the whole causal sequence) with no communication.
+    Median over repetitions of the slowest process."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(world), ctx.Queue()
+    heads, kv_heads = max(1, h // world), max(1, h_kv // world)
+    procs = [
+        ctx.Process(target=_ceiling_rank, args=(barrier, queue, seq_len, heads, kv_heads, d, dtype, reps))
+        for _ in range(world)
+    ]
+    for p in procs:
+        p.start()
+    per_rank = [queue.get() for _ in procs]
+    for p in procs:
+        p.join()
+    return statistics.median(max(ts) for ts in zip(*per_rank))
 
 
 # ---------------------------------------------------------------------------------------------- suites
@@ -127,10 +171,24 @@ def suite_attention(args: argparse.Namespace) -> dict:
             print(
                 f"[attention] T_single S={seq_len} H_kv={h_kv}: {single[(seq_len, h_kv)]:.3f} s", flush=True
             )
+    ceiling = {}
+    for world in worlds:
+        for seq_len in seq_lens:
+            for h_kv in kv_heads:
+                n = short_reps if seq_len <= 4096 else reps
+                ceiling[(world, seq_len, h_kv)] = concurrent_kernel_time(
+                    seq_len, world, 8, h_kv, 64, dtype, n
+                )
+                print(
+                    f"[attention] ceiling P={world} S={seq_len} H_kv={h_kv}: {ceiling[(world, seq_len, h_kv)]:.3f} s",
+                    flush=True,
+                )
     cores = os.cpu_count() or 1
     for row in rows:
         if row["status"] != "ok":
             continue
+        row["T_ceiling_s"] = ceiling[(row["P"], row["S"], row["H_kv"])]
+        row["vs_ceiling"] = row["T_ceiling_s"] / row["time_s"]
         t_single = single[(row["S"], row["H_kv"])]
         row["T_single_s"] = t_single
         row["T_limit_s"] = t_single / min(row["P"], cores)

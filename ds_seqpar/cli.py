@@ -343,9 +343,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     import ds_seqpar
+    from ds_seqpar.comm.step_watch import StepWatch
     from ds_seqpar.integrations.deepspeed import init_distributed
 
-    init_distributed()
+    init_distributed(args.section.fault_timeout_s)
     rank = dist.get_rank()
     out_dir = Path(args.output_dir)
     tokenizer = AutoTokenizer.from_pretrained(
@@ -382,6 +383,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
 
     eval_loader = loader_for(eval_set, shuffle=False, drop_last=False)
+    watch = StepWatch()  # a failed, dead or hung rank is named with its step instead of a bare comm error
     ckpt_dir = out_dir / "checkpoints"
     start = 0
     if args.resume:
@@ -411,7 +413,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             batch = next(batches)
             engine.module.step = step  # sparse.dense_warmup_steps counts optimizer steps
             t0 = time.perf_counter()
-            with mesh.comm_stats.measure() as comm:
+            with watch.step(step + 1), mesh.comm_stats.measure() as comm:
                 loss = engine(**batch)
                 engine.backward(loss)
                 engine.step()
@@ -442,6 +444,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state={"step": step})
     if not args.no_export:
         _export(engine, model, tokenizer, out_dir / "hf_model", rank)
+    watch.close()
     log.close()
     summary = {
         "step": step,

@@ -207,6 +207,11 @@ class SequenceParallelConfig(_Section):
         description="Block attention kernel: auto | torch (chunked reference) | sdpa (PyTorch CPU flash op) | "
         "flash_attn (CUDA).",
     )
+    fault_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        1800.0,
+        description="Seconds a rank waits in a collective for a failed, dead or hung peer before it gives up and "
+        "names the rank and step at fault (the process group's timeout; set when ds_seqpar starts torch.distributed).",
+    )
 
     @model_validator(mode="after")
     def _check_degrees(self) -> SequenceParallelConfig:

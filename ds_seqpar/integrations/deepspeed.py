@@ -44,8 +44,14 @@ from ds_seqpar.mesh import SeqParMesh
 _GUARD_BYPASS = "_ds_seqpar_initialize"
 
 
-def init_distributed() -> None:
-    """Initialise torch.distributed through DeepSpeed (gloo on CPU, NCCL on CUDA), once."""
+def init_distributed(timeout_s: float | None = None) -> None:
+    """Initialise torch.distributed through DeepSpeed (gloo on CPU, NCCL on CUDA), once.
+
+    ``timeout_s`` (``sequence_parallel.fault_timeout_s``) bounds every collective's wait for a peer
+    that failed, died or hangs; an existing process group keeps its own timeout.
+    """
+    import datetime
+
     import deepspeed
 
     if not torch.cuda.is_available():
@@ -53,7 +59,8 @@ def init_distributed() -> None:
         # time its comm layer starts, even over an existing process group; gloo needs none.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", **kwargs)
 
 
 def _avoid_jit_optimizer(ds_config: dict[str, Any]) -> None:
@@ -105,7 +112,7 @@ def initialize(
         raise SeqParConfigError(
             f"{SECTION}.enabled is false; call deepspeed.initialize with the config instead of ds_seqpar.initialize"
         )
-    init_distributed()
+    init_distributed(section.fault_timeout_s)
     mesh = SeqParMesh.from_config(section, getattr(model, "config", None))  # validates before any collective
     _avoid_jit_optimizer(ds_config)
     wrapped = SeqParCausalLM(

@@ -140,8 +140,9 @@ def disable_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
 class SeqParCausalLM(torch.nn.Module):
     """A causal LM under sequence parallelism: sharded batch in, SP-group loss out.
 
-    ``forward(input_ids, shift_labels, position_ids, doc_ids=None, **_)`` takes the output of
-    ``ds_seqpar.data.shard_batch`` and returns the token-weighted loss of the SP group (see
+    ``forward(input_ids, shift_labels, position_ids, doc_ids=None, **extra)`` takes the output of
+    ``ds_seqpar.data.shard_batch`` (position_ids must be the global positions of the shard; a 4-D
+    ``attention_mask`` in ``extra`` is refused) and returns the token-weighted loss of the SP group (see
     ``ds_seqpar.loss``); logits are computed in chunks and never materialised for the whole shard.
 
     ``step`` (set by the training loop; ``train.py`` and ``SeqParTrainer`` do) is the optimizer step
@@ -174,6 +175,7 @@ class SeqParCausalLM(torch.nn.Module):
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor | None
     ) -> torch.Tensor:
         """Final hidden states ``[B, n, E]`` of this rank's tokens (every layer's attention over the group)."""
+        self._check_positions(input_ids, position_ids, doc_ids)
         ctx = SeqParContext(self.mesh, doc_ids, self.work, self.step)
         base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.base_model
         hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False, **{CONTEXT_KEY: ctx})
@@ -188,14 +190,56 @@ class SeqParCausalLM(torch.nn.Module):
             )
         return hidden
 
+    def _check_positions(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, doc_ids: torch.Tensor | None
+    ) -> None:
+        """RoPE needs the GLOBAL position of every local token; refuse anything else before any collective."""
+        from ds_seqpar.parallel.usp import input_layout
+
+        if position_ids is None:
+            raise ValueError(
+                "position_ids is missing: under sequence parallelism each rank holds a slice of the sequence, so "
+                "RoPE needs the global positions of its tokens; pass the batch from ds_seqpar.shard_batch"
+            )
+        if tuple(position_ids.shape[-1:]) != tuple(input_ids.shape[-1:]):
+            raise ValueError(
+                f"position_ids has shape {tuple(position_ids.shape)} but input_ids {tuple(input_ids.shape)}: "
+                "give one position per local token (ds_seqpar.shard_batch does)"
+            )
+        if doc_ids is not None or self.mesh.sp_size == 1:
+            return  # packed documents restart their positions; one rank holds everything
+        layout = input_layout(self.mesh)
+        n = input_ids.shape[-1]
+        expected = layout.local_positions(n * self.mesh.sp_size, self.mesh.coords.sp_rank).to(
+            position_ids.device
+        )
+        got = (position_ids if position_ids.dim() == 1 else position_ids[0]).long()
+        if not torch.equal(got, expected):
+            raise ValueError(
+                f"position_ids of SP rank {self.mesh.coords.sp_rank} are not the global positions of its tokens: got "
+                f"{got[:4].tolist()}..., expected {expected[:4].tolist()}... (layout {layout.ring.kind}); local "
+                "positions 0..n-1 would give every rank the same RoPE. Pass the batch from ds_seqpar.shard_batch"
+            )
+
+    @staticmethod
+    def _refuse_masks(extra: dict[str, Any]) -> None:
+        mask = extra.get("attention_mask")
+        if mask is not None:
+            raise ValueError(
+                f"attention_mask of shape {tuple(torch.as_tensor(mask).shape)} cannot be honoured under sequence "
+                "parallelism (no rank holds the whole [S, S] mask): give padding as a 2-D attention_mask to "
+                "ds_seqpar.shard_batch, and packed documents as position_ids that restart per document"
+            )
+
     def forward(
         self,
         input_ids: torch.Tensor,
         shift_labels: torch.Tensor,
         position_ids: torch.Tensor,
         doc_ids: torch.Tensor | None = None,
-        **_: Any,
+        **extra: Any,
     ) -> torch.Tensor:
+        self._refuse_masks(extra)
         hidden = self._hidden(input_ids, position_ids, doc_ids)
         loss, num_tokens = sp_causal_lm_loss(
             hidden,
@@ -215,13 +259,14 @@ class SeqParCausalLM(torch.nn.Module):
         shift_labels: torch.Tensor,
         position_ids: torch.Tensor,
         doc_ids: torch.Tensor | None = None,
-        **_: Any,
+        **extra: Any,
     ) -> dict[str, torch.Tensor]:
         """Loss and next-token accuracy over the labelled tokens of the whole SP group.
 
         Logits are computed only at labelled positions. Returns tensors ``loss``, ``correct`` and
         ``count`` (summed over the SP group; identical on its ranks).
         """
+        self._refuse_masks(extra)
         hidden = self._hidden(input_ids, position_ids, doc_ids)
         labelled = shift_labels != -100
         logits = self.model.get_output_embeddings()(hidden[labelled]).float()  # [T, V], T labelled tokens

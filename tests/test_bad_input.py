@@ -1,0 +1,167 @@
+"""Bad input is refused before any collective starts, with an error that names the value and the fix.
+
+Every case runs on a rank of a 2-rank gloo group with every torch.distributed collective and
+point-to-point call replaced by a tripwire: a case passes only if it raises the expected error
+*and* no communication was attempted (a half-started collective is what turns bad input into a hang).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ds_seqpar
+from ds_seqpar import SeqParMesh, SequenceParallelConfig, shard_batch
+from ds_seqpar.config import load_config, parse_section
+from ds_seqpar.layout import doc_ids_from_cu_seqlens
+from ds_seqpar.parallel.linear_scan import linear_attention
+
+COMM = [
+    "all_to_all_single", "all_to_all", "all_reduce", "all_gather", "all_gather_into_tensor",
+    "reduce_scatter_tensor", "broadcast", "barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+]  # fmt: skip
+
+
+class CollectiveStarted(AssertionError):
+    pass
+
+
+@contextmanager
+def _tripwire():
+    saved = {name: getattr(dist, name) for name in COMM}
+
+    def trip(name: str) -> Callable:
+        def called(*args, **kwargs):
+            raise CollectiveStarted(f"torch.distributed.{name} was called before the input was validated")
+
+        return called
+
+    for name in COMM:
+        setattr(dist, name, trip(name))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+_MESHES: dict = {}
+
+
+def _mesh(u: int = 2, layout: str | None = "zigzag", attention: str = "usp", **extra) -> SeqParMesh:
+    if u not in _MESHES:
+        _MESHES[u] = SeqParMesh.build(2, u)
+    mesh = _MESHES[u]
+    ring = {} if layout is None else {"ring": {"layout": layout}}
+    mesh.config = SequenceParallelConfig(size=2, ulysses_degree=u, attention=attention, **ring, **extra)
+    return mesh
+
+
+def _qkv(n: int = 8, h: int = 4, h_kv: int = 4, d: int = 8, dtype=torch.float32) -> tuple[torch.Tensor, ...]:
+    return (
+        torch.randn(1, n, h, d, dtype=dtype),
+        torch.randn(1, n, h_kv, d, dtype=dtype),
+        torch.randn(1, n, h_kv, d, dtype=dtype),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- cases
+# name -> (the bad call, a regex the message must match: the offending value and the fix)
+
+
+def _attn(**kw):
+    q, k, v = kw.pop("qkv", None) or _qkv()
+    return ds_seqpar.attention(q, k, v, mesh=kw.pop("mesh", None) or _mesh(), **kw)
+
+
+def _bad_heads():
+    q, k, v = _qkv(h=4, h_kv=3)
+    return ds_seqpar.attention(q, k, v, mesh=_mesh())
+
+
+def _u_above_heads():
+    q, k, v = _qkv(h=1, h_kv=1)
+    return ds_seqpar.attention(q, k, v, mesh=_mesh(u=2))
+
+
+def _shard_batch(batch: dict):
+    return shard_batch(batch, _mesh())
+
+
+def _linear(**kw):
+    q, k, v = _qkv()
+    return linear_attention(q, k, v, mesh=_mesh(u=1, layout=kw.pop("layout", "contiguous")), **kw)
+
+
+def _lm(**batch_overrides):
+    from ds_seqpar import SeqParCausalLM
+    from tests.hf_models import tiny_model
+
+    model = SeqParCausalLM(tiny_model("llama"), _mesh(u=1))
+    batch = shard_batch({"input_ids": torch.randint(4, 50, (1, 16))}, model.mesh)
+    return model(**{**batch, **batch_overrides})
+
+
+CASES: dict[str, tuple[Callable[[], object], str]] = {
+    "position_ids_local_not_global": (lambda: _lm(position_ids=torch.arange(8)[None]), r"not the global positions.*shard_batch"),
+    "position_ids_missing": (lambda: _lm(position_ids=None), r"position_ids is missing"),
+    "attention_mask_4d": (lambda: _lm(attention_mask=torch.ones(1, 1, 16, 16)), r"attention_mask of shape \(1, 1, 16, 16\) cannot be honoured"),
+    "q_not_4d": (lambda: _attn(qkv=(torch.randn(8, 4, 8), torch.randn(1, 8, 4, 8), torch.randn(1, 8, 4, 8))), r"q \[B, n, H, D\].*got q \(8, 4, 8\)"),
+    "v_shape_differs_from_k": (lambda: _attn(qkv=(torch.randn(1, 8, 4, 8), torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8))), r"v \(1, 8, 2, 8\)"),
+    "k_batch_differs": (lambda: _attn(qkv=(torch.randn(1, 8, 4, 8), torch.randn(2, 8, 4, 8), torch.randn(2, 8, 4, 8))), r"k \(2, 8, 4, 8\) must match q"),
+    "k_head_dim_differs": (lambda: _attn(qkv=(torch.randn(1, 8, 4, 8), torch.randn(1, 8, 4, 4), torch.randn(1, 8, 4, 4))), r"head dim"),
+    "dtype_mismatch": (lambda: _attn(qkv=(torch.randn(1, 8, 4, 8), torch.randn(1, 8, 4, 8, dtype=torch.float64), torch.randn(1, 8, 4, 8, dtype=torch.float64))), r"torch.float32.*torch.float64"),
+    "heads_not_multiple_of_kv_heads": (_bad_heads, r"H=4 must be a multiple of key/value heads H_kv=3"),
+    "ulysses_above_heads": (_u_above_heads, r"ulysses_degree=2 exceeds the 1 query heads"),
+    "length_not_divisible_by_layout": (lambda: _attn(mesh=_mesh(u=1), qkv=_qkv(n=3)), r"\b6\b.*(pad|multiple)"),
+    "positions_not_global": (lambda: _attn(mesh=_mesh(u=1), positions=torch.arange(8)), r"position"),
+    "doc_ids_wrong_length": (lambda: _attn(doc_ids=torch.zeros(5, dtype=torch.long)), r"doc_ids has 5 tokens.*S = "),
+    "window_zero": (lambda: _attn(window=0), r"window=0 is invalid"),
+    "kernel_flash_attn_on_cpu": (lambda: _attn(mesh=_mesh(kernel="flash_attn")), r"flash_attn"),
+    "ulysses_attention_with_ring": (lambda: _mesh(u=1, attention="ulysses"), r"ulysses"),
+    "ring_attention_with_ulysses": (lambda: _mesh(u=2, attention="ring"), r"ring"),
+    "sparse_length_not_block_multiple": (lambda: _attn(mesh=_mesh(u=1, layout=None, attention="sparse_ring", sparse={"block_size": 64}), qkv=_qkv(n=16)), r"sequence length 32 cannot be split.*multiple of 128; pad it to 128"),
+    "linear_decay_wrong_shape": (lambda: _linear(log_decay=torch.zeros(3)), r"log_decay"),
+    "linear_unusable_layout": (lambda: _linear(layout="stripe"), r"stripe"),
+    "config_unknown_key": (lambda: parse_section({"size": 2, "ulysess_degree": 2}), r"ulysess_degree"),
+    "config_degree_not_divisor": (lambda: parse_section({"size": 8, "ulysses_degree": 3}), r"ulysses_degree=3 does not divide size=8; valid: 1, 2, 4, 8"),
+    "config_size_not_int": (lambda: parse_section({"size": "8"}), r"size"),
+    "config_layout_unknown": (lambda: parse_section({"size": 2, "ring": {"layout": "spiral"}}), r"spiral"),
+    "config_attention_unknown": (lambda: parse_section({"size": 2, "attention": "flash"}), r"flash"),
+    "config_fault_timeout_negative": (lambda: parse_section({"size": 2, "fault_timeout_s": -1}), r"fault_timeout_s"),
+    "config_section_not_a_dict": (lambda: parse_section([2]), r"must be an object"),
+    "config_file_missing": (lambda: load_config("/nonexistent/ds.json"), r"/nonexistent/ds.json"),
+    "world_not_multiple_of_size": (lambda: SeqParMesh.from_config(parse_section({"size": 4})), r"(world|size).*(4|2)"),
+    "batch_without_input_ids": (lambda: _shard_batch({"labels": torch.zeros(1, 8, dtype=torch.long)}), r"needs 'input_ids'.*\['labels'\]"),
+    "input_ids_1d": (lambda: _shard_batch({"input_ids": torch.zeros(8, dtype=torch.long)}), r"input_ids must be \[B, S\]; got shape \(8,\)"),
+    "labels_shape_differs": (lambda: _shard_batch({"input_ids": torch.zeros(1, 8, dtype=torch.long), "labels": torch.zeros(1, 7, dtype=torch.long)}), r"labels has shape \(1, 7\)"),
+    "cu_seqlens_not_from_zero": (lambda: doc_ids_from_cu_seqlens([2, 8], 8), r"cu_seqlens=\[2, 8\] must start at 0"),
+    "cu_seqlens_not_increasing": (lambda: doc_ids_from_cu_seqlens([0, 4, 4, 8], 8), r"strictly increasing"),
+    "cu_seqlens_past_the_end": (lambda: doc_ids_from_cu_seqlens([0, 9], 8), r"ends at 9, beyond the sequence length 8"),
+}  # fmt: skip
+
+
+def run_bad_case(name: str) -> tuple[str, str]:
+    """On a rank: run the case under the tripwire; return (exception type, message)."""
+    call, _ = CASES[name]
+    with _tripwire():
+        try:
+            call()
+        except CollectiveStarted as exc:
+            return "CollectiveStarted", str(exc)
+        except Exception as exc:
+            return type(exc).__name__, str(exc)
+    return "no error", ""
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input_is_refused_before_any_collective(dist_pool, name: str) -> None:
+    _, pattern = CASES[name]
+    for rank, (kind, message) in enumerate(dist_pool(2).run(run_bad_case, name)):
+        assert kind not in ("CollectiveStarted", "no error"), f"{name}, rank {rank}: {kind}: {message}"
+        assert re.search(pattern, message, re.S), f"{name}, rank {rank}: {kind}: {message!r} !~ {pattern!r}"
