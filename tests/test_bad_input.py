@@ -116,6 +116,8 @@ CASES: dict[str, tuple[Callable[[], object], str]] = {
     "k_batch_differs": (lambda: _attn(qkv=(torch.randn(1, 8, 4, 8), torch.randn(2, 8, 4, 8), torch.randn(2, 8, 4, 8))), r"k \(2, 8, 4, 8\) must match q"),
     "k_head_dim_differs": (lambda: _attn(qkv=(torch.randn(1, 8, 4, 8), torch.randn(1, 8, 4, 4), torch.randn(1, 8, 4, 4))), r"head dim"),
     "dtype_mismatch": (lambda: _attn(qkv=(torch.randn(1, 8, 4, 8), torch.randn(1, 8, 4, 8, dtype=torch.float64), torch.randn(1, 8, 4, 8, dtype=torch.float64))), r"torch.float32.*torch.float64"),
+    "device_mismatch": (lambda: _attn(qkv=(torch.randn(1, 8, 4, 8), torch.randn(1, 8, 4, 8, device="meta"), torch.randn(1, 8, 4, 8, device="meta"))), r"cpu.*meta"),
+    "integer_tensors": (lambda: _attn(qkv=tuple(torch.ones(1, 8, 4, 8, dtype=torch.int64) for _ in range(3))), r"torch.int64.*float"),
     "heads_not_multiple_of_kv_heads": (_bad_heads, r"H=4 must be a multiple of key/value heads H_kv=3"),
     "ulysses_above_heads": (_u_above_heads, r"ulysses_degree=2 exceeds the 1 query heads"),
     "length_not_divisible_by_layout": (lambda: _attn(mesh=_mesh(u=1), qkv=_qkv(n=3)), r"\b6\b.*(pad|multiple)"),

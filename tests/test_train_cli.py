@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -232,3 +233,64 @@ def test_hybrid_minimax_trains_like_without_sp(dist_pool, tmp_path):
     assert len(losses[1]) == 5
     for sp, ref in zip(losses[2], losses[1], strict=True):
         assert abs(sp - ref) <= 1e-5 * abs(ref), losses
+
+
+def _factorised_config(tmp_path, u: int) -> str:
+    config = json.loads(DEFAULT_CONFIG.read_text())
+    config["sequence_parallel"].update(size=4, ulysses_degree=u)
+    path = tmp_path / f"sp4_u{u}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def test_resume_under_another_factorisation_gives_the_same_next_losses(dist_pool, tmp_path):
+    """Checkpoint at step 2 with U2 x R2; resume with U1 x R4 and with U4 x R1 (K/V heads replicated):
+    steps 3 and 4 match the uninterrupted U2 x R2 run (ZeRO-3 partitions follow the world, not U x R)."""
+    pool = dist_pool(4)
+    common = ["--seq-len", "256", "--curriculum", "192:3", "--eval-every", "0", "--eval-samples", "1"]
+    common += ["--no-progress", "--no-export", "--save-every", "2"]
+    full = pool.run(
+        run_cli,
+        [
+            *common,
+            "--ds_config",
+            _factorised_config(tmp_path, 2),
+            "--max-steps",
+            "4",
+            "--output-dir",
+            str(tmp_path / "full"),
+        ],
+    )[0]
+    losses = {r["step"]: r["loss"] for r in full if "loss" in r}
+    split = tmp_path / "split"
+    pool.run(
+        run_cli,
+        [
+            *common,
+            "--ds_config",
+            _factorised_config(tmp_path, 2),
+            "--max-steps",
+            "2",
+            "--output-dir",
+            str(split),
+        ],
+    )
+    for u in (1, 4):
+        resumed_dir = tmp_path / f"resumed_u{u}"
+        shutil.copytree(split, resumed_dir)
+        resumed = pool.run(
+            run_cli,
+            [
+                *common,
+                "--ds_config",
+                _factorised_config(tmp_path, u),
+                "--max-steps",
+                "4",
+                "--resume",
+                "--output-dir",
+                str(resumed_dir),
+            ],
+        )[0]
+        after = {r["step"]: r["loss"] for r in resumed if "loss" in r}
+        for step in (3, 4):
+            assert after[step] == pytest.approx(losses[step], rel=1e-5, abs=1e-6), (u, after, losses)

@@ -271,6 +271,10 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caller: str) ->
             f"q, k, v must share dtype and device; got {q.dtype}/{q.device}, {k.dtype}/{k.device}, "
             f"{v.dtype}/{v.device}"
         )
+    if not q.dtype.is_floating_point:
+        raise ValueError(
+            f"q, k, v are {q.dtype}; attention needs float tensors (float32, bfloat16, float16 or float64)"
+        )
     if q.shape[2] % k.shape[2] != 0:
         raise ValueError(
             f"query heads H={q.shape[2]} must be a multiple of key/value heads H_kv={k.shape[2]}"
