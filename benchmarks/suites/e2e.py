@@ -139,32 +139,42 @@ def _max_over_ranks(value: float) -> float:
     return t.item()
 
 
-def run_e2e(system, seq_lens: list[int], reps: int) -> list[dict]:
-    rows = []
+def run_e2e(systems: list, seq_lens: list[int], reps: int) -> list[list[dict]]:
+    """Per system, one row per S; the systems are timed round-robin on each S (like the attention suite)."""
+    rows: list[list[dict]] = [[] for _ in systems]
     for seq_len in seq_lens:
-        ids = _ids(seq_len, system.vocab)
-        first = {}
+        first: list[float] = []
+        steps = []
+        for system in systems:
+            ids = _ids(seq_len, system.vocab)
+            first.append(system.step(ids))  # warm-up; its loss is the first-step loss
 
-        def step(ids: torch.Tensor = ids, first: dict = first) -> None:
-            first.setdefault("loss", system.step(ids))
+            def step(system=system, ids=ids) -> None:
+                system.step(ids)
 
-        times = measure.slowest_rank_times(step, reps)
-        with measure.PeakMemory() as mem:
-            step()
-        t = measure.median(times)
-        rows.append(
-            {
-                "S": seq_len,
-                "status": "ok",
-                "time_s": t,
-                "times_s": times,
-                "tokens_per_s": seq_len / t,
-                "peak_MiB": _max_over_ranks(mem.peak_mib),
-                "loss": first["loss"],
-            }
-        )
-        if dist.get_rank() == 0:
-            print(f"[e2e P={dist.get_world_size()}] {system.name} S={seq_len}: {t:.3f} s", flush=True)
+            steps.append(step)
+        times: list[list[float]] = [[] for _ in systems]
+        for rep in range(reps):
+            for j in range(len(steps)):
+                i = (j + rep) % len(steps)
+                times[i] += measure.slowest_rank_times(steps[i], reps=1, warmup=0)
+        for i, step in enumerate(steps):
+            with measure.PeakMemory() as mem:
+                step()
+            t = measure.median(times[i])
+            rows[i].append(
+                {
+                    "S": seq_len,
+                    "status": "ok",
+                    "time_s": t,
+                    "times_s": times[i],
+                    "tokens_per_s": seq_len / t,
+                    "peak_MiB": _max_over_ranks(mem.peak_mib),
+                    "loss": first[i],
+                }
+            )
+            if dist.get_rank() == 0:
+                print(f"[e2e P={dist.get_world_size()}] {systems[i].name} S={seq_len}: {t:.3f} s", flush=True)
     return rows
 
 
@@ -197,7 +207,7 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--budget-mib", type=float, default=512.0)
-    parser.add_argument("--start", type=int, default=2048)
+    parser.add_argument("--first-len", type=int, default=2048, help="memory mode: the first S probed")
     parser.add_argument("--growth", type=float, default=1.25)
     parser.add_argument("--max-len", type=int, default=262144)
     parser.add_argument("--out", required=True)
@@ -206,20 +216,23 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     world = dist.get_world_size()
-    rows = []
+    rows, ready = [], []
     for key in args.systems.split(","):
         try:
             system = SYSTEMS[key]()
-        except Exception as exc:
-            rows.append(
-                {"system": key, "P": world, "status": "failed", "why": f"{type(exc).__name__}: {exc}"[:300]}
-            )
+        except Exception as exc:  # a peer that cannot start is reported
+            why = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append({"system": key, "peer": key, "P": world, "status": "failed", "why": why})
             continue
-        base = {"system": system.name, "peer": key, "detail": system.detail, "P": world}
-        if args.mode == "e2e":
-            got = run_e2e(system, args.seq_lens, args.reps)
-        else:
-            got = run_memory(system, args.start, args.growth, args.budget_mib, args.max_len)
+        ready.append(({"system": system.name, "peer": key, "detail": system.detail, "P": world}, system))
+    if args.mode == "e2e":
+        results = run_e2e([system for _, system in ready], args.seq_lens, args.reps)
+    else:
+        results = [
+            run_memory(system, args.first_len, args.growth, args.budget_mib, args.max_len)
+            for _, system in ready
+        ]
+    for (base, _), got in zip(ready, results):
         rows += [{**base, **r} for r in got]
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
