@@ -86,27 +86,11 @@ def _machine() -> dict:
     }
 
 
-def single_kernel_time(seq_len: int, h: int, h_kv: int, d: int, dtype: torch.dtype, reps: int) -> float:
-    """T_single: one process, one thread, ds_seqpar's sdpa kernel fwd+bwd on the whole causal sequence."""
-    from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward
-
-    torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(seq_len)
-    q, dout = (torch.randn(1, seq_len, h, d, generator=g).to(dtype) for _ in range(2))
-    k, v = (torch.randn(1, seq_len, h_kv, d, generator=g).to(dtype) for _ in range(2))
-    times = []
-    for rep in range(reps + 1):
-        start = time.perf_counter()
-        out, lse = block_attn_forward(q, k, v, causal=True, kernel="sdpa", out_dtype=dtype)
-        block_attn_backward(dout, q, k, v, out, lse, causal=True, kernel="sdpa", grad_dtype=dtype)
-        if rep:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _ceiling_rank(
-    barrier, queue, seq_len: int, h: int, h_kv: int, d: int, dtype: torch.dtype, reps: int
-) -> None:
+def _kernel_times(
+    seq_len: int, h: int, h_kv: int, d: int, dtype: torch.dtype, reps: int, before_each=None
+) -> list[float]:
+    """One thread, ds_seqpar's sdpa kernel fwd+bwd on the whole causal sequence; times after one warm-up.
+    ``before_each()`` runs before every repetition (a barrier for concurrent processes)."""
     from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward
 
     torch.set_num_threads(1)
@@ -115,12 +99,24 @@ def _ceiling_rank(
     k, v = (torch.randn(1, seq_len, h_kv, d, generator=g).to(dtype) for _ in range(2))
     times = []
     for _ in range(reps + 1):
-        barrier.wait()
+        if before_each is not None:
+            before_each()
         start = time.perf_counter()
         out, lse = block_attn_forward(q, k, v, causal=True, kernel="sdpa", out_dtype=dtype)
         block_attn_backward(dout, q, k, v, out, lse, causal=True, kernel="sdpa", grad_dtype=dtype)
         times.append(time.perf_counter() - start)
-    queue.put(times[1:])
+    return times[1:]
+
+
+def single_kernel_time(seq_len: int, h: int, h_kv: int, d: int, dtype: torch.dtype, reps: int) -> float:
+    """T_single: one process, one thread, the local kernel on the whole causal sequence (median)."""
+    return statistics.median(_kernel_times(seq_len, h, h_kv, d, dtype, reps))
+
+
+def _ceiling_rank(
+    barrier, queue, seq_len: int, h: int, h_kv: int, d: int, dtype: torch.dtype, reps: int
+) -> None:
+    queue.put(_kernel_times(seq_len, h, h_kv, d, dtype, reps, before_each=barrier.wait))
 
 
 def concurrent_kernel_time(
