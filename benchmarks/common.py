@@ -4,28 +4,20 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.measure import slowest_rank_times
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def slowest_rank_median(step: Callable[[], None], reps: int) -> float:
     """Median over ``reps`` (after one warm-up) of the slowest rank's time for ``step()``."""
-    times = []
-    for rep in range(reps + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        elapsed = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if rep:
-            times.append(elapsed.item())
-    return statistics.median(times)
+    return statistics.median(slowest_rank_times(step, reps))
 
 
 def gather_floats(value: float) -> list[float]:

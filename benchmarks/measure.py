@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import re
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -139,7 +138,3 @@ def slowest_rank_times(step: Callable[[], None], reps: int, warmup: int = 1) -> 
         if rep >= warmup:
             times.append(elapsed.item())
     return times
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import measure, peers
+from benchmarks.common import gather_floats
 
 Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -294,11 +296,9 @@ def _max_error(run: Runner, shard, global_inputs: list[torch.Tensor]) -> float:
     return t.item()
 
 
-def _max_over_ranks(value: float) -> tuple[float, float]:
-    vals = [torch.zeros(1) for _ in range(dist.get_world_size())]
-    dist.all_gather(vals, torch.tensor([float(value)]))
-    xs = [v.item() for v in vals]
-    return max(xs), sum(xs) / len(xs)
+def _max_and_mean(value: float) -> tuple[float, float]:
+    values = gather_floats(value)
+    return max(values), sum(values) / len(values)
 
 
 def _prepared(run: Runner, shard, global_inputs) -> Callable[[], None]:
@@ -330,15 +330,15 @@ def measure_interleaved(steps: list[Callable[[], None]], reps: int) -> list[dict
         shim.PAIRS[0] = 0
         with measure.PeakMemory() as mem, measure.SentBytes() as sent:
             step()
-        pairs_max, pairs_mean = _max_over_ranks(shim.PAIRS[0])
+        pairs_max, pairs_mean = _max_and_mean(shim.PAIRS[0])
         results.append(
             {
-                "time_s": measure.median(ts),
+                "time_s": statistics.median(ts),
                 "times_s": ts,
-                "sent_MiB": _max_over_ranks(sent.total / 2**20)[0],
+                "sent_MiB": _max_and_mean(sent.total / 2**20)[0],
                 "balance": pairs_max / pairs_mean if pairs_mean else float("nan"),
                 "pairs_per_rank_max": pairs_max,
-                "peak_MiB": _max_over_ranks(mem.peak_mib)[0],
+                "peak_MiB": _max_and_mean(mem.peak_mib)[0],
             }
         )
     return results

@@ -20,12 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from benchmarks import measure
+from benchmarks.common import gather_floats
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "assets" / "tiny-llama"
@@ -133,12 +135,6 @@ class Alst:
 SYSTEMS = {"ds_seqpar": DsSeqpar, "alst": Alst}
 
 
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([float(value)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def run_e2e(systems: list, seq_lens: list[int], reps: int) -> list[list[dict]]:
     """Per system, one row per S; the systems are timed round-robin on each S (like the attention suite)."""
     rows: list[list[dict]] = [[] for _ in systems]
@@ -161,7 +157,7 @@ def run_e2e(systems: list, seq_lens: list[int], reps: int) -> list[list[dict]]:
         for i, step in enumerate(steps):
             with measure.PeakMemory() as mem:
                 step()
-            t = measure.median(times[i])
+            t = statistics.median(times[i])
             rows[i].append(
                 {
                     "S": seq_len,
@@ -169,7 +165,7 @@ def run_e2e(systems: list, seq_lens: list[int], reps: int) -> list[list[dict]]:
                     "time_s": t,
                     "times_s": times[i],
                     "tokens_per_s": seq_len / t,
-                    "peak_MiB": _max_over_ranks(mem.peak_mib),
+                    "peak_MiB": max(gather_floats(mem.peak_mib)),
                     "loss": first[i],
                 }
             )
@@ -188,7 +184,7 @@ def run_memory(system, start: int, growth: float, budget_mib: float, max_len: in
         system.step(ids)  # warm-up (optimizer state, caches)
         with measure.PeakMemory() as mem:
             system.step(ids)
-        peak = _max_over_ranks(mem.peak_mib)
+        peak = max(gather_floats(mem.peak_mib))
         rows.append({"S": seq_len, "status": "ok", "peak_MiB": peak, "fits": peak <= budget_mib})
         if dist.get_rank() == 0:
             print(f"[memory P={world}] {system.name} S={seq_len}: peak {peak:.1f} MiB/rank", flush=True)

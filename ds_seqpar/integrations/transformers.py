@@ -28,7 +28,7 @@ from ds_seqpar.integrations.linear_models import route_linear_layers, unroute_li
 from ds_seqpar.loss import sp_causal_lm_loss
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.parallel.ring import WorkCounter
-from ds_seqpar.parallel.usp import attention
+from ds_seqpar.parallel.usp import attention, input_layout
 
 ATTN_IMPLEMENTATION = "ds_seqpar"
 CONTEXT_KEY = "ds_seqpar_context"
@@ -194,8 +194,6 @@ class SeqParCausalLM(torch.nn.Module):
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, doc_ids: torch.Tensor | None
     ) -> None:
         """RoPE needs the GLOBAL position of every local token; refuse anything else before any collective."""
-        from ds_seqpar.parallel.usp import input_layout
-
         if position_ids is None:
             raise ValueError(
                 "position_ids is missing: under sequence parallelism each rank holds a slice of the sequence, so "
