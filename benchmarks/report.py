@@ -38,18 +38,21 @@ def attention_summary(result: dict) -> str:
     """ds_seqpar's default (ulysses_degree auto) against the fastest peer, per case."""
     ok = [r for r in result["rows"] if r["status"] == "ok"]
     lines = [
-        "| P | H_kv | S | ds_seqpar auto | efficiency | fastest peer | ds_seqpar / fastest peer |",
-        "|---|---|---|---|---|---|---|",
+        "| P | H_kv | S | ds_seqpar auto | efficiency | no-communication reference: efficiency "
+        "| fastest peer | ds_seqpar / fastest peer |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for world, h_kv, seq_len in sorted({(r["P"], r["H_kv"], r["S"]) for r in ok}):
         case = [r for r in ok if (r["P"], r["H_kv"], r["S"]) == (world, h_kv, seq_len)]
         ours = [r for r in case if r["system"] == "ds_seqpar auto"]
-        peers = [r for r in case if r["peer"] != "ds_seqpar"]
+        peers = [r for r in case if r["peer"] not in ("ds_seqpar", "reference")]
+        bound = [r for r in case if r["system"] == "reference: no communication"]
         if not ours or not peers:
             continue
         best = min(peers, key=lambda r: r["time_s"])
         lines.append(
             f"| {world} | {h_kv} | {seq_len} | {ours[0]['time_s']:.3f} s | {ours[0]['efficiency']:.3f} | "
+            f"{_fmt(bound[0]['efficiency'] if bound else None, '.3f')} | "
             f"{best['system']} {best['time_s']:.3f} s | {ours[0]['time_s'] / best['time_s']:.3f} |"
         )
     return "\n".join(lines) + "\n"
@@ -78,14 +81,15 @@ def attention_markdown(result: dict) -> str:
     head = (
         f"Attention layer fwd+bwd, causal, B=1, H=8, D=64, {meta['dtype']}, gloo CPU ranks (1 thread each) on "
         f"{meta['machine']['cores']} cores ({meta['machine']['cpu']}, torch {meta['machine']['torch']}), median of "
-        f"{meta['reps']} after a warm-up, slowest rank. efficiency = T_limit / T with T_limit = T_single / min(P, cores); "
-        f"T_single (one process, one thread, same kernel): "
-        + ", ".join(f"S/H_kv={k}: {v:.3f} s" for k, v in meta["T_single_s"].items())
-        + ". vs ceiling = T_ceiling / T, with T_ceiling the time P processes take to run, at once and without any "
-        "communication, 1/P of the kernel work each: a no-communication reference measured in the same run (it "
-        "shows what two cores running together deliver; on this shared VM it varies by about 10 % between "
-        "measurements, so values above 1 occur). vs fastest peer < 1 means faster than every peer row of that "
-        "(P, H_kv, S). "
+        f"{meta['reps']} after a warm-up, slowest rank; every system and both references are timed "
+        "round-robin within each case. efficiency = T_limit / T with T_limit = T_single / min(P, cores); "
+        "T_single = the 'reference: one process' row (rank 0 alone runs the same kernel on the whole sequence, "
+        "all heads): "
+        + ", ".join(f"{k}: {v:.3f} s" for k, v in meta["T_single_s"].items())
+        + ". vs ceiling = T_ceiling / T, with T_ceiling the 'reference: no communication' row: every rank at "
+        "once runs the kernel on its 1/P of the heads and sends nothing, i.e. what the cores deliver together "
+        "with free communication; its own efficiency is a practical upper bound for any SP system on this machine. "
+        "vs fastest peer < 1 means faster than every peer row of that (P, H_kv, S). "
         "balance = max/mean score pairs per rank. "
         "max abs err: out, dq, dk, dv vs an fp64 single-process reference at S=512.\n\n"
     )
@@ -146,7 +150,9 @@ def _plot_attention(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in result["rows"] if r["status"] == "ok" and r.get("T_ceiling_s")]
+    ok = [
+        r for r in result["rows"] if r["status"] == "ok" and r.get("T_ceiling_s") and r["peer"] != "reference"
+    ]
     panels = sorted({(r["P"], r["H_kv"]) for r in ok})
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4.2), squeeze=False)
     for ax, (world, h_kv) in zip(axes[0], panels):

@@ -18,10 +18,11 @@ Suites:
     linear     benchmarks.bench_linear (All-Scan vs all-gather bytes and time at P=4)
 
 T_limit = T_single(S) / min(P, cores): T_single is the single-process, single-thread time of the same
-local kernel (ds_seqpar's ``sdpa`` kernel: PyTorch's CPU flash op) on the whole sequence, measured
-in this run; efficiency = T_limit / T. T_ceiling is a no-communication reference: P processes at once,
-each running the kernel on 1/P of the work (H/P heads), i.e. what the cores deliver together without
-any SP overhead; vs ceiling = T_ceiling / T (on a shared VM it varies ~10 %, so values above 1 occur).
+local kernel (ds_seqpar's ``sdpa`` kernel: PyTorch's CPU flash op) on the whole sequence; efficiency =
+T_limit / T. T_ceiling is a no-communication reference: the P ranks at once, each running the kernel
+on 1/P of the work (H/P heads), i.e. what the cores deliver together without any SP overhead;
+vs ceiling = T_ceiling / T. Both references are timed inside the attention worker, round-robin with
+the systems, so the drifts of a shared machine reach them and the systems alike.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import report
+from benchmarks.suites.attention import REFERENCE_NO_COMM, REFERENCE_ONE_PROCESS
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -86,106 +87,26 @@ def _machine() -> dict:
     }
 
 
-def _kernel_times(
-    seq_len: int, h: int, h_kv: int, d: int, dtype: torch.dtype, reps: int, before_each=None
-) -> list[float]:
-    """One thread, ds_seqpar's sdpa kernel fwd+bwd on the whole causal sequence; times after one warm-up.
-    ``before_each()`` runs before every repetition (a barrier for concurrent processes)."""
-    from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward
-
-    torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(seq_len)
-    q, dout = (torch.randn(1, seq_len, h, d, generator=g).to(dtype) for _ in range(2))
-    k, v = (torch.randn(1, seq_len, h_kv, d, generator=g).to(dtype) for _ in range(2))
-    times = []
-    for _ in range(reps + 1):
-        if before_each is not None:
-            before_each()
-        start = time.perf_counter()
-        out, lse = block_attn_forward(q, k, v, causal=True, kernel="sdpa", out_dtype=dtype)
-        block_attn_backward(dout, q, k, v, out, lse, causal=True, kernel="sdpa", grad_dtype=dtype)
-        times.append(time.perf_counter() - start)
-    return times[1:]
-
-
-def single_kernel_time(seq_len: int, h: int, h_kv: int, d: int, dtype: torch.dtype, reps: int) -> float:
-    """T_single: one process, one thread, the local kernel on the whole causal sequence (median)."""
-    return statistics.median(_kernel_times(seq_len, h, h_kv, d, dtype, reps))
-
-
-def _ceiling_rank(
-    barrier, queue, seq_len: int, h: int, h_kv: int, d: int, dtype: torch.dtype, reps: int
-) -> None:
-    queue.put(_kernel_times(seq_len, h, h_kv, d, dtype, reps, before_each=barrier.wait))
-
-
-def concurrent_kernel_time(
-    seq_len: int, world: int, h: int, h_kv: int, d: int, dtype: torch.dtype, reps: int
-) -> float:
-    """The machine's ceiling for P ranks: P processes (one thread each) run, at the same moment, the
-    local kernel on 1/P of the work (H/P heads of the whole causal sequence) with no communication.
-    Median over repetitions of the slowest process."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    barrier, queue = ctx.Barrier(world), ctx.Queue()
-    heads, kv_heads = max(1, h // world), max(1, h_kv // world)
-    procs = [
-        ctx.Process(target=_ceiling_rank, args=(barrier, queue, seq_len, heads, kv_heads, d, dtype, reps))
-        for _ in range(world)
-    ]
-    for p in procs:
-        p.start()
-    per_rank = [queue.get() for _ in procs]
-    for p in procs:
-        p.join()
-    return statistics.median(max(ts) for ts in zip(*per_rank))
-
-
 # ---------------------------------------------------------------------------------------------- suites
 
 
-def suite_attention(args: argparse.Namespace) -> dict:
-    seq_lens = args.seq_lens or ([1024, 4096] if args.quick else [4096, 16384])
-    worlds = [2] if args.quick else [2, 4]
-    reps = 1 if args.quick else args.reps
-    kv_heads = [8, 2]
-    # short cases are cheap and noisier: more repetitions for them
-    short_reps = reps if args.quick else max(reps, 9)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    rows = []
-    for world in worlds:
-        for seq_len in seq_lens:
-            extra = ["--seq-lens", str(seq_len), "--kv-heads", *map(str, kv_heads)]
-            extra += ["--reps", str(short_reps if seq_len <= 4096 else reps), "--dtype", args.dtype]
-            rows += _worker_rows(world, "benchmarks.suites.attention", extra, timeout=args.timeout)
-    single = {}
-    for seq_len in seq_lens:
-        for h_kv in kv_heads:
-            n = short_reps if seq_len <= 4096 else reps
-            single[(seq_len, h_kv)] = single_kernel_time(seq_len, 8, h_kv, 64, dtype, n)
-            print(
-                f"[attention] T_single S={seq_len} H_kv={h_kv}: {single[(seq_len, h_kv)]:.3f} s", flush=True
-            )
-    ceiling = {}
-    for world in worlds:
-        for seq_len in seq_lens:
-            for h_kv in kv_heads:
-                n = short_reps if seq_len <= 4096 else reps
-                ceiling[(world, seq_len, h_kv)] = concurrent_kernel_time(
-                    seq_len, world, 8, h_kv, 64, dtype, n
-                )
-                print(
-                    f"[attention] ceiling P={world} S={seq_len} H_kv={h_kv}: {ceiling[(world, seq_len, h_kv)]:.3f} s",
-                    flush=True,
-                )
-    cores = os.cpu_count() or 1
+def score_attention_rows(rows: list[dict], cores: int) -> dict:
+    """Add efficiency, vs ceiling and vs fastest peer to the attention rows, from the two reference rows
+    of the same (P, S, H_kv); return the reference times by (P, S, H_kv, reference name)."""
+    refs = {
+        (r["P"], r["S"], r["H_kv"], r["system"]): r["time_s"]
+        for r in rows
+        if r["peer"] == "reference" and r["status"] == "ok"
+    }
     for row in rows:
-        if row["status"] != "ok":
+        if row["status"] != "ok" or row["system"] == REFERENCE_ONE_PROCESS:
             continue
-        row["T_ceiling_s"] = ceiling[(row["P"], row["S"], row["H_kv"])]
-        row["vs_ceiling"] = row["T_ceiling_s"] / row["time_s"]
-        t_single = single[(row["S"], row["H_kv"])]
+        case = (row["P"], row["S"], row["H_kv"])
+        t_single, ceiling = refs.get((*case, REFERENCE_ONE_PROCESS)), refs.get((*case, REFERENCE_NO_COMM))
+        if t_single is None or ceiling is None:
+            continue  # a reference failed: nothing to score against
+        row["T_ceiling_s"] = ceiling
+        row["vs_ceiling"] = ceiling / row["time_s"]
         row["T_single_s"] = t_single
         row["T_limit_s"] = t_single / min(row["P"], cores)
         row["efficiency"] = row["T_limit_s"] / row["time_s"]
@@ -194,11 +115,28 @@ def suite_attention(args: argparse.Namespace) -> dict:
             r["time_s"]
             for r in rows
             if r["status"] == "ok"
-            and r["peer"] != "ds_seqpar"
+            and r["peer"] not in ("ds_seqpar", "reference")
             and (r["P"], r["S"], r["H_kv"]) == (row["P"], row["S"], row["H_kv"])
         ]
-        if row["status"] == "ok" and peers:
+        if row["status"] == "ok" and row["peer"] != "reference" and peers:
             row["vs_fastest_peer"] = row["time_s"] / min(peers)
+    return refs
+
+
+def suite_attention(args: argparse.Namespace) -> dict:
+    seq_lens = args.seq_lens or ([1024, 4096] if args.quick else [4096, 16384])
+    worlds = [2] if args.quick else [2, 4]
+    reps = 1 if args.quick else args.reps
+    kv_heads = [8, 2]
+    # short cases are cheap and noisier: more repetitions for them
+    short_reps = reps if args.quick else max(reps, 15)
+    rows = []
+    for world in worlds:
+        for seq_len in seq_lens:
+            extra = ["--seq-lens", str(seq_len), "--kv-heads", *map(str, kv_heads)]
+            extra += ["--reps", str(short_reps if seq_len <= 4096 else reps), "--dtype", args.dtype]
+            rows += _worker_rows(world, "benchmarks.suites.attention", extra, timeout=args.timeout)
+    refs = score_attention_rows(rows, os.cpu_count() or 1)
     return {
         "meta": {
             "machine": _machine(),
@@ -206,7 +144,11 @@ def suite_attention(args: argparse.Namespace) -> dict:
             "reps": f"{short_reps} (S <= 4096), {reps} (longer)",
             "seq_lens": seq_lens,
             "worlds": worlds,
-            "T_single_s": {f"{s}/{h}": t for (s, h), t in single.items()},
+            "T_single_s": {
+                f"P={p} S={s} H_kv={h}": t
+                for (p, s, h, name), t in refs.items()
+                if name == REFERENCE_ONE_PROCESS
+            },
         },
         "rows": rows,
     }

@@ -190,6 +190,12 @@ class SequenceParallelConfig(_Section):
         '"auto" = the largest divisor of size that the KV heads allow without replication '
         "(resolved by validate()).",
     )
+    ulysses_chunks: Annotated[StrictInt, Field(ge=1)] | Literal["auto"] = Field(
+        "auto",
+        description="Head groups pipelined through the Ulysses all-to-all when the ring degree is 1: the "
+        "exchange of one group overlaps the attention of another. 1 = one exchange per direction; "
+        '"auto" = 4 (fewer when the heads per rank do not split evenly).',
+    )
     ring: RingConfig = Field(default_factory=RingConfig, description="Ring-axis settings.")
     attention: AttentionName = Field(
         "usp",

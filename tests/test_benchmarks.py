@@ -15,6 +15,8 @@ import torch
 import ds_seqpar
 from benchmarks import measure, peers
 from benchmarks.report import attention_markdown
+from benchmarks.run import score_attention_rows
+from benchmarks.suites.attention import REFERENCE_NO_COMM, REFERENCE_ONE_PROCESS
 from ds_seqpar import SeqParMesh, SequenceParallelConfig
 from ds_seqpar.layout import SeqLayout
 from ds_seqpar.ops.masks import BlockKind, MaskSpec
@@ -117,8 +119,40 @@ def test_attention_report_lists_rows_and_what_could_not_run() -> None:
         "dtype": "bf16",
         "machine": {"cores": 2, "cpu": "cpu", "torch": "2"},
         "reps": 3,
-        "T_single_s": {"4096/8": 0.9},
+        "T_single_s": {"P=2 S=4096 H_kv=8": 0.9},
     }
     text = attention_markdown({"meta": meta, "rows": [ok, bad]})
     assert "| 2 | 8 | 4096 | ds_seqpar auto | 0.500 | 0.900 | – |" in text
     assert "- **x** (P=2, H_kv=2): unsupported: H_kv=2 < U=4" in text
+
+
+def test_attention_rows_are_scored_against_the_references_of_their_own_case() -> None:
+    def row(system: str, peer: str, time_s: float, seq_len: int = 4096) -> dict:
+        return {
+            "P": 4,
+            "H_kv": 8,
+            "S": seq_len,
+            "status": "ok",
+            "system": system,
+            "peer": peer,
+            "time_s": time_s,
+        }
+
+    rows = [
+        row("ds_seqpar auto", "ds_seqpar", 0.5),
+        row("deepspeed DistributedAttention", "deepspeed", 0.4),
+        row("yunchang ulysses 4x1", "yunchang", 0.6),
+        row(REFERENCE_ONE_PROCESS, "reference", 0.8),
+        row(REFERENCE_NO_COMM, "reference", 0.45),
+        row(REFERENCE_ONE_PROCESS, "reference", 99.0, seq_len=16384),  # another case: never used here
+        row("ds_seqpar auto", "ds_seqpar", 5.0, seq_len=16384),  # its case lacks a reference: not scored
+        {"P": 4, "H_kv": 8, "S": 4096, "status": "failed", "system": "x", "peer": "x", "why": "boom"},
+    ]
+    refs = score_attention_rows(rows, cores=2)
+    ours, ds, one, no_comm = rows[0], rows[1], rows[3], rows[4]
+    assert refs[(4, 4096, 8, REFERENCE_ONE_PROCESS)] == 0.8
+    assert ours["T_limit_s"] == pytest.approx(0.4)  # T_single / min(P, cores) = 0.8 / 2
+    assert ours["efficiency"] == pytest.approx(0.8) and ds["efficiency"] == pytest.approx(1.0)
+    assert ours["vs_ceiling"] == pytest.approx(0.9) and no_comm["efficiency"] == pytest.approx(0.4 / 0.45)
+    assert ours["vs_fastest_peer"] == pytest.approx(1.25)  # references are not peers
+    assert "vs_fastest_peer" not in one and "efficiency" not in rows[-1] and "efficiency" not in rows[-2]

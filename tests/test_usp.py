@@ -14,20 +14,24 @@ from ds_seqpar.comm.all_to_all import HeadPlan, split_heads
 from ds_seqpar.layout import doc_ids_from_cu_seqlens
 from ds_seqpar.ops.masks import MaskSpec, token_mask
 from ds_seqpar.ops.reference import dense_attention_reference
+from ds_seqpar.parallel.ulysses_pipeline import HeadGroups
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 B, D = 2, 8
 
 
 def _mesh(
-    cache: dict, size: int, u: int, inner: int | None, layout: str, schedule: str = "p2p"
+    cache: dict, size: int, u: int, inner: int | None, layout: str, schedule: str = "p2p", chunks="auto"
 ) -> SeqParMesh:
     key = (u, inner)
     if key not in cache:
         cache[key] = SeqParMesh.build(size, u, inner)
     mesh = cache[key]
     mesh.config = SequenceParallelConfig(
-        size=size, ulysses_degree=u, ring={"layout": layout, "inner_size": inner, "schedule": schedule}
+        size=size,
+        ulysses_degree=u,
+        ulysses_chunks=chunks,
+        ring={"layout": layout, "inner_size": inner, "schedule": schedule},
     )
     return mesh
 
@@ -41,12 +45,20 @@ def run_usp_cases(cases: list[dict]) -> list[dict]:
     world = dist.get_world_size()
     results = []
     for case in cases:
-        mesh = _mesh(meshes, world, case["u"], case.get("inner"), case["layout"], case.get("schedule", "p2p"))
+        mesh = _mesh(
+            meshes,
+            world,
+            case["u"],
+            case.get("inner"),
+            case["layout"],
+            case.get("schedule", "p2p"),
+            case.get("chunks", "auto"),
+        )
         layout = ds_seqpar.input_layout(mesh)
         seq_len, h, h_kv, dtype = case["seq_len"], case["h"], case["h_kv"], case["dtype"]
         g = torch.Generator().manual_seed(case.get("seed", 0))
         q, k, v, dout = (
-            torch.randn(B, seq_len, heads, D, generator=g, dtype=torch.float64).to(dtype)
+            torch.randn(case.get("batch", B), seq_len, heads, D, generator=g, dtype=torch.float64).to(dtype)
             for heads in (h, h_kv, h_kv, h)
         )
         spec = MaskSpec(causal=case["causal"], window=case.get("window"))
@@ -122,6 +134,10 @@ SPECIAL = [
     dict(u=4, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=6, h_kv=6),
     dict(u=4, layout="contiguous", causal=False, dtype=torch.float64, seq_len=64, h=6, h_kv=2),
     dict(u=8, layout="contiguous", causal=True, dtype=torch.float64, seq_len=64, h=12, h_kv=4),
+    # batch 1: q, k, v are views of the all-to-all's receive buffer (no copy); also uneven and replicated
+    dict(u=8, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=8, h_kv=8, batch=1),
+    dict(u=4, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=6, h_kv=2, batch=1),
+    dict(u=4, inner=2, layout="zigzag", causal=True, dtype=torch.float32, seq_len=64, h=8, h_kv=2, batch=1),
     # packed documents with odd lengths, plus a sliding window
     dict(
         u=2,
@@ -159,6 +175,59 @@ SPECIAL = [
 
 def test_double_ring_gqa_replication_uneven_heads_and_documents(dist_pool):
     _check(SPECIAL, dist_pool(8).run(run_usp_cases, SPECIAL))
+
+
+# Pipelined Ulysses (R = 1): head groups with their own K/V, K/V shared by several groups (sent with
+# group 0, gradients summed and sent back with the last), replication, masks, batch 1 and 2.
+PIPELINED = [
+    dict(u=8, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=16, h_kv=16),
+    dict(u=8, layout="contiguous", causal=False, dtype=torch.float64, seq_len=64, h=32, h_kv=8, batch=1),
+    dict(u=8, layout="stripe", causal=True, dtype=torch.float64, seq_len=64, h=24, h_kv=8),
+    dict(u=8, layout="zigzag", causal=True, dtype=torch.float32, seq_len=64, h=16, h_kv=2, batch=1),
+    dict(u=8, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=32, h_kv=16, chunks=2),
+    dict(
+        u=8,
+        layout="zigzag",
+        causal=True,
+        dtype=torch.float64,
+        seq_len=64,
+        h=16,
+        h_kv=4,
+        window=11,
+        cu_seqlens=[0, 9, 40, 61],
+    ),
+]
+
+
+def _ulysses_bytes(case: dict, p: int, b: int) -> int:
+    """ALGORITHMS.md §8 (fwd, R = 1): (U-1)/U · B·n·D·(2H + 2H_kv') · bytes, H_kv' after replication."""
+    u, h, kv = case["u"], case["h"], max(case["h_kv"], case["u"])
+    return (u - 1) * case.get("batch", B) * (case["seq_len"] // p) * D * (2 * h + 2 * kv) * b // u
+
+
+def test_pipelined_ulysses_matches_reference_and_moves_the_same_bytes(dist_pool):
+    results = dist_pool(8).run(run_usp_cases, PIPELINED)
+    _check(PIPELINED, results)
+    for i, case in enumerate(PIPELINED):
+        groups = HeadGroups.build(HeadPlan.build(case["h"], case["h_kv"], 8), case.get("chunks", 4))
+        for per_rank in results:
+            fwd = per_rank[i]["fwd"]["all_to_all"]
+            assert fwd["bytes"] == _ulysses_bytes(case, 8, case["dtype"].itemsize), (case, fwd)
+            assert fwd["messages"] == 2 * groups.groups, (case, fwd)  # in and out, per group
+
+
+def test_head_groups():
+    own = HeadGroups.build(HeadPlan.build(16, 8, 2), 4)  # 8 q and 4 K/V heads per rank: 2 + 1 per group
+    assert own.groups == 4 and own.q_counts[1] == (2, 2) and own.q_starts[1] == (2, 10)
+    assert own.kv_counts[3] == (1, 1) and own.kv_starts[3] == (3, 7) and own.kv_carrier == (0, 1, 2, 3)
+    shared = HeadGroups.build(HeadPlan.build(8, 2, 2), 4)  # 4 q heads, 1 K/V head per rank
+    assert shared.kv_counts == ((1, 1), (0, 0), (0, 0), (0, 0)) and shared.kv_source == (0, 0, 0, 0)
+    assert shared.kv_rows[2] == ((0, 1), (0, 1)) and shared.kv_carrier == (None, None, None, 0)
+    # 6 q and 2 K/V heads per rank: 4 groups do not divide 6, 3 groups would cut a GQA group of 3
+    assert HeadGroups.build(HeadPlan.build(12, 4, 2), 4).groups == 2
+    assert HeadGroups.build(HeadPlan.build(12, 2, 2), 4).groups == 3  # one K/V head per rank: 3 x 2 q heads
+    assert HeadGroups.build(HeadPlan.build(6, 6, 4), 4) is None  # uneven split 2, 2, 1, 1
+    assert HeadGroups.build(HeadPlan.build(8, 8, 2), 1) is None  # ulysses_chunks = 1
 
 
 def test_bytes_per_rank_equal_usp_formula(dist_pool):

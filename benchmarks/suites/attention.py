@@ -5,7 +5,9 @@ as JSON to ``--out``. Every system gets the same global q, k, v, dout ``[1, S, H
 the way that system expects, and is first checked against a single-process reference at a small S
 (max abs error of out, dq, dk, dv is reported). Per case, the systems are timed round-robin (median fwd+bwd wall time of the
 slowest rank), then bytes sent per rank (max over ranks), attention work balance (max / mean score pairs
-per rank) and peak resident memory per rank (max over ranks).
+per rank) and peak resident memory per rank (max over ranks). Two references are timed in the same
+round-robin: the local kernel alone in one process (T_single) and on every rank at once with nothing
+sent (T_ceiling).
 
 Systems (a builder returns a runner, or raises ``Unsupported`` with the reason):
     ds_seqpar      ``ds_seqpar.attention`` (auto factorisation, Ulysses, ring zigzag, U x R)
@@ -63,7 +65,16 @@ def _auto(world: int, h: int, h_kv: int) -> int:
     return auto_ulysses_degree(world, h, h_kv)
 
 
-def _ds_seqpar(ulysses: int | str, ctx: dict) -> Callable:
+def _pipelined(world: int, h: int, h_kv: int) -> bool:
+    """Whether ``ulysses_degree="auto"`` pipelines head groups here (R = 1 and the heads split)."""
+    from ds_seqpar.comm.all_to_all import HeadPlan
+    from ds_seqpar.parallel.ulysses_pipeline import HeadGroups
+
+    u = _auto(world, h, h_kv)
+    return u == world and u > 1 and HeadGroups.build(HeadPlan.build(h, h_kv, u), 4) is not None
+
+
+def _ds_seqpar(ulysses: int | str, ctx: dict, chunks: int | str = "auto") -> Callable:
     def build(h: int, h_kv: int):
         import ds_seqpar
         import ds_seqpar.parallel.ring as ring
@@ -77,17 +88,21 @@ def _ds_seqpar(ulysses: int | str, ctx: dict) -> Callable:
         if key not in ctx:
             ctx[key] = SeqParMesh.build(world, u)
         mesh = ctx[key]
-        mesh.config = SequenceParallelConfig(size=world, ulysses_degree=u, ring={"layout": "zigzag"})
+        config = SequenceParallelConfig(
+            size=world, ulysses_degree=u, ulysses_chunks=chunks, ring={"layout": "zigzag"}
+        )
+        mesh.config = config
         _count_ds_seqpar_pairs(ring)
         layout = ds_seqpar.input_layout(mesh)
         rank = mesh.coords.sp_rank
 
         def run(q, k, v):
+            mesh.config = config  # systems with the same U share the mesh (its process groups)
             return ds_seqpar.attention(q, k, v, mesh=mesh, causal=True)
 
         return run, lambda x: layout.shard(x, rank, dim=1).contiguous()
 
-    build.ulysses = ulysses
+    build.ulysses, build.chunks = ulysses, chunks
     return build
 
 
@@ -213,6 +228,14 @@ def systems(world: int, ctx: dict) -> list[System]:
         System(f"ds_seqpar ulysses {world}x1", "ds_seqpar", "U=P, R=1", _ds_seqpar(world, ctx)),
         System(f"ds_seqpar ring 1x{world} zigzag", "ds_seqpar", "U=1, R=P, zigzag", _ds_seqpar(1, ctx)),
     ]
+    rows.append(
+        System(
+            "ds_seqpar auto, one exchange",
+            "ds_seqpar",
+            "as auto, ulysses_chunks=1 (no pipelined head groups)",
+            _ds_seqpar("auto", ctx, chunks=1),
+        )
+    )
     if world == 4:
         rows.append(System("ds_seqpar usp 2x2 zigzag", "ds_seqpar", "U=2, R=2, zigzag", _ds_seqpar(2, ctx)))
     rows += [
@@ -312,6 +335,51 @@ def _prepared(run: Runner, shard, global_inputs) -> Callable[[], None]:
     return step
 
 
+REFERENCE_ONE_PROCESS = "reference: one process"
+REFERENCE_NO_COMM = "reference: no communication"
+
+
+def reference_steps(
+    seq_len: int, h: int, h_kv: int, d: int, dtype: torch.dtype
+) -> list[tuple[dict, Callable]]:
+    """The machine's own numbers, timed round-robin with the systems: the local kernel (sdpa, fwd+bwd,
+    causal) and nothing else. ``one process``: rank 0 alone on the whole sequence and all heads
+    (T_single). ``no communication``: every rank at once on H/P heads of the whole sequence (the
+    work of a perfect split with free communication: T_ceiling)."""
+    from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+
+    def kernel_step(heads: int, kv_heads: int, active: bool) -> Callable[[], None]:
+        g = torch.Generator().manual_seed(seq_len)
+        q, dout = (torch.randn(1, seq_len, heads, d, generator=g).to(dtype) for _ in range(2))
+        k, v = (torch.randn(1, seq_len, kv_heads, d, generator=g).to(dtype) for _ in range(2))
+
+        def step() -> None:
+            if active:
+                out, lse = block_attn_forward(q, k, v, causal=True, kernel="sdpa", out_dtype=dtype)
+                block_attn_backward(dout, q, k, v, out, lse, causal=True, kernel="sdpa", grad_dtype=dtype)
+
+        return step
+
+    return [
+        (
+            {
+                "system": REFERENCE_ONE_PROCESS,
+                "detail": "rank 0 alone: the local kernel, whole sequence, all heads",
+            },
+            kernel_step(h, h_kv, rank == 0),
+        ),
+        (
+            {
+                "system": REFERENCE_NO_COMM,
+                "detail": "every rank at once: the local kernel on H/P heads, nothing sent",
+            },
+            kernel_step(max(1, h // world), max(1, h_kv // world), True),
+        ),
+    ]
+
+
 def measure_interleaved(steps: list[Callable[[], None]], reps: int) -> list[dict]:
     """Time every system on one case, round-robin (rep 1 of each, then rep 2 of each, ...; the
     starting system rotates), so slow drifts of a shared machine hit every row alike. Then one
@@ -377,6 +445,12 @@ def main() -> None:
                 and system.build.ulysses == _auto(world, args.heads, h_kv)
             ):
                 continue  # the same run as the "ds_seqpar auto" row
+            if (
+                system.peer == "ds_seqpar"
+                and system.build.chunks == 1
+                and not _pipelined(world, args.heads, h_kv)
+            ):
+                continue  # auto runs one exchange here anyway
             base = {
                 "system": system.name,
                 "peer": system.peer,
@@ -405,13 +479,30 @@ def main() -> None:
             ready.append((base, run, shard))
         for seq_len in args.seq_lens:
             inputs = _inputs(seq_len, args.heads, h_kv, args.dim, dtype)
-            steps = [_prepared(run, shard, inputs) for _, run, shard in ready]
-            for (base, _, _), result in zip(ready, measure_interleaved(steps, args.reps)):
+            references = reference_steps(seq_len, args.heads, h_kv, args.dim, dtype)
+            bases = [base for base, _, _ in ready] + [
+                {
+                    **ref,
+                    "peer": "reference",
+                    "P": world,
+                    "H": args.heads,
+                    "H_kv": h_kv,
+                    "D": args.dim,
+                    "dtype": args.dtype,
+                }
+                for ref, _ in references
+            ]
+            steps = [_prepared(run, shard, inputs) for _, run, shard in ready] + [
+                step for _, step in references
+            ]
+            for base, result in zip(bases, measure_interleaved(steps, args.reps)):
+                if base["peer"] == "reference":  # no kernel-call counting, no correctness check: no balance
+                    result = {k: v for k, v in result.items() if k not in ("balance", "pairs_per_rank_max")}
                 rows.append({**base, "S": seq_len, "status": "ok", **result})
                 if rank == 0:
+                    err = f"  (err {base['max_abs_err']:.1e})" if "max_abs_err" in base else ""
                     print(
-                        f"[attention P={world}] {base['system']} H_kv={h_kv} S={seq_len}: "
-                        f"{result['time_s']:.3f} s  (err {base['max_abs_err']:.1e})",
+                        f"[attention P={world}] {base['system']} H_kv={h_kv} S={seq_len}: {result['time_s']:.3f} s{err}",
                         flush=True,
                     )
             del steps, inputs

@@ -20,7 +20,7 @@ Bytes recorded (kind ``"all_to_all"``): what this rank sends to the other U-1 ra
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,61 +119,162 @@ class _HeadToSeq(torch.autograd.Function):
         return (None, None, None, None, *_seq_to_head(list(grads), *ctx.args))
 
 
+Starts = tuple[tuple[int, ...], ...]  # per tensor: the first head of each group rank's heads
+
+
+def _contiguous_starts(counts: Counts) -> Starts:
+    """Rank u's heads follow rank u-1's: the split of one tensor over the group."""
+    return tuple(tuple(sum(c[:u]) for u in range(len(c))) for c in counts)
+
+
+def _per_rank(counts: Counts) -> list[int]:
+    """Heads of all tensors together, per group rank."""
+    return [sum(c[u] for c in counts) for u in range(len(counts[0]))]
+
+
+class PendingExchange:
+    """An all-to-all in flight (``async_op=True``) or already done; ``wait()`` returns its tensors."""
+
+    def __init__(
+        self, work: Any, unpack: Callable[[], list[torch.Tensor]], send: torch.Tensor | None = None
+    ) -> None:
+        self._work, self._unpack = work, unpack
+        self._send = send  # the send buffer must live until the exchange is done
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._work is not None:
+            self._work.wait()
+        self._send = None
+        return self._unpack()
+
+
+# Chunk layout on the wire: token-major ``[B, n, heads, D]``, the heads of every tensor side by side.
+# With B = 1 the U chunks a rank receives in seq_to_head are already ``[1, U·n, heads, D]`` in token
+# order, so q, k and v come out as views of the receive buffer (no copy), and head_to_seq sends a
+# single kernel output as it is.
+
+
+def post_seq_to_head(
+    xs: Sequence[torch.Tensor],
+    counts: Counts,
+    group: Any,
+    me: int,
+    stats: CommStats | None = None,
+    starts: Starts | None = None,
+    async_op: bool = False,
+) -> PendingExchange:
+    """Start the all-to-all that takes each ``[B, n, H_i, D]`` to ``[B, U·n, counts[i][me], D]``.
+
+    Rank u gets heads ``starts[i][u] : starts[i][u] + counts[i][u]`` of tensor i (default: the
+    contiguous split). Not differentiable (see :func:`seq_to_head`). A tensor with no heads for any
+    rank comes out with 0 heads.
+    """
+    degree = len(counts[0])
+    starts = _contiguous_starts(counts) if starts is None else starts
+    if degree == 1:
+        outs = [x[:, :, st[0] : st[0] + c[0]] for x, c, st in zip(xs, counts, starts)]
+        return PendingExchange(None, lambda: outs)
+    b, n, _, d = xs[0].shape
+    to_rank = _per_rank(counts)
+    token = b * n * d  # elements per head of one chunk
+    send = xs[0].new_empty(sum(to_rank) * token)
+    offset = 0
+    for u in range(degree):
+        chunk = send[offset : offset + to_rank[u] * token].view(b, n, to_rank[u], d)
+        head = 0
+        for x, c, st in zip(xs, counts, starts):
+            chunk[:, :, head : head + c[u]].copy_(x[:, :, st[u] : st[u] + c[u]])
+            head += c[u]
+        offset += to_rank[u] * token
+    mine = to_rank[me]
+    recv = send.new_empty(degree * mine * token)
+    work = dist.all_to_all_single(
+        recv, send, [mine * token] * degree, [t * token for t in to_rank], group=group, async_op=async_op
+    )
+    if stats is not None:
+        stats.record("all_to_all", (send.numel() - mine * token) * send.element_size())
+
+    def unpack() -> list[torch.Tensor]:
+        if b == 1:
+            full = recv.view(1, degree * n, mine, d)  # already in token order
+        else:
+            full = recv.view(degree, b, n, mine, d).transpose(0, 1).reshape(b, degree * n, mine, d)
+        outs, head = [], 0
+        for c in counts:
+            outs.append(full[:, :, head : head + c[me]])
+            head += c[me]
+        return outs
+
+    return PendingExchange(work, unpack, send)
+
+
+def post_head_to_seq(
+    ys: Sequence[torch.Tensor],
+    counts: Counts,
+    group: Any,
+    me: int,
+    stats: CommStats | None = None,
+    into: Sequence[tuple[torch.Tensor, tuple[int, ...]]] | None = None,
+    async_op: bool = False,
+) -> PendingExchange:
+    """Start the inverse all-to-all: each ``[B, U·n, counts[i][me], D]`` -> ``[B, n, H_i, D]``.
+
+    ``into``: per tensor, ``(out [B, n, H, D], starts)``: the heads from rank u are written to
+    ``out[:, :, starts[u] : starts[u] + counts[i][u]]`` (default: a new tensor, contiguous split).
+    Not differentiable (see :func:`head_to_seq`).
+    """
+    degree = len(counts[0])
+    b, un, _, d = ys[0].shape
+    n = un // degree
+    if into is None:
+        into = [(ys[0].new_empty(b, n, sum(c), d), st) for c, st in zip(counts, _contiguous_starts(counts))]
+    if degree == 1:
+        for y, c, (out, st) in zip(ys, counts, into):
+            out[:, :, st[0] : st[0] + c[0]].copy_(y)
+        return PendingExchange(None, lambda: [out for out, _ in into])
+    from_rank = _per_rank(counts)
+    mine = from_rank[me]
+    token = b * n * d
+    if len(ys) == 1 and b == 1 and ys[0].is_contiguous():
+        send = ys[0].view(-1)  # the chunk for rank u is tokens u·n ... (u+1)·n - 1: already in place
+    else:
+        send = ys[0].new_empty(degree * mine * token)
+        chunks = send.view(degree, b, n, mine, d)
+        head = 0
+        for y, c in zip(ys, counts):
+            chunks[..., head : head + c[me], :].copy_(y.unflatten(1, (degree, n)).transpose(0, 1))
+            head += c[me]
+    recv = send.new_empty(sum(from_rank) * token)
+    work = dist.all_to_all_single(
+        recv, send, [t * token for t in from_rank], [mine * token] * degree, group=group, async_op=async_op
+    )
+    if stats is not None:
+        stats.record("all_to_all", (degree - 1) * mine * token * send.element_size())
+
+    def unpack() -> list[torch.Tensor]:
+        offset = 0
+        for u in range(degree):
+            chunk = recv[offset : offset + from_rank[u] * token].view(b, n, from_rank[u], d)
+            head = 0
+            for c, (out, st) in zip(counts, into):
+                out[:, :, st[u] : st[u] + c[u]].copy_(chunk[:, :, head : head + c[u]])
+                head += c[u]
+            offset += from_rank[u] * token
+        return [out for out, _ in into]
+
+    return PendingExchange(work, unpack, send)
+
+
 def _seq_to_head(
     xs: list[torch.Tensor], counts: Counts, group: Any, me: int, stats: CommStats | None
 ) -> list[torch.Tensor]:
-    """Each ``[B, n, H_i, D]`` -> ``[B, U·n, counts[i][me], D]``, in one all-to-all."""
-    degree = len(counts[0])
-    if degree == 1:
-        return xs
-    b, n, _, d = xs[0].shape
-    heads_first = [x.permute(2, 0, 1, 3) for x in xs]  # [H_i, B, n, D]
-    starts = [[sum(c[:u]) for u in range(degree)] for c in counts]
-    send = torch.cat(
-        [hf[st[u] : st[u] + c[u]] for u in range(degree) for hf, c, st in zip(heads_first, counts, starts)]
-    )
-    to_rank = [sum(c[u] for c in counts) for u in range(degree)]
-    mine = to_rank[me]
-    recv = send.new_empty(degree * mine, b, n, d)
-    dist.all_to_all_single(recv, send, [mine] * degree, to_rank, group=group)
-    if stats is not None:
-        stats.record("all_to_all", (send.shape[0] - mine) * b * n * d * send.element_size())
-    recv = recv.view(degree, mine, b, n, d)
-    outs, offset = [], 0
-    for c in counts:
-        part = recv[:, offset : offset + c[me]]  # [U, c_me, B, n, D] -> [B, U·n, c_me, D]
-        outs.append(part.permute(2, 0, 3, 1, 4).reshape(b, degree * n, c[me], d))
-        offset += c[me]
-    return outs
+    return xs if len(counts[0]) == 1 else post_seq_to_head(xs, counts, group, me, stats).wait()
 
 
 def _head_to_seq(
     ys: list[torch.Tensor], counts: Counts, group: Any, me: int, stats: CommStats | None
 ) -> list[torch.Tensor]:
-    """Each ``[B, U·n, counts[i][me], D]`` -> ``[B, n, H_i, D]``, in one all-to-all."""
-    degree = len(counts[0])
-    if degree == 1:
-        return ys
-    b, un, _, d = ys[0].shape
-    n = un // degree
-    # chunk for source rank u: every tensor's tokens of rank u, heads first: [U, sum_i c_me, B, n, D]
-    send = torch.cat([y.view(b, degree, n, y.shape[2], d).permute(1, 3, 0, 2, 4) for y in ys], dim=1)
-    mine = send.shape[1]
-    from_rank = [sum(c[u] for c in counts) for u in range(degree)]
-    recv = send.new_empty(sum(from_rank), b, n, d)
-    dist.all_to_all_single(
-        recv, send.reshape(degree * mine, b, n, d), from_rank, [mine] * degree, group=group
-    )
-    if stats is not None:
-        stats.record("all_to_all", (degree - 1) * mine * b * n * d * send.element_size())
-    # recv holds, per source rank u, [heads of tensor 0 | tensor 1 | ...] for rank u
-    pieces: list[list[torch.Tensor]] = [[] for _ in counts]
-    offset = 0
-    for u in range(degree):
-        for i, c in enumerate(counts):
-            pieces[i].append(recv[offset : offset + c[u]])
-            offset += c[u]
-    return [torch.cat(p).permute(1, 2, 0, 3) for p in pieces]  # [H_i, B, n, D] -> [B, n, H_i, D]
+    return ys if len(counts[0]) == 1 else post_head_to_seq(ys, counts, group, me, stats).wait()
 
 
 def seq_to_head(

@@ -25,6 +25,9 @@ from ds_seqpar.ops.masks import MaskSpec
 from ds_seqpar.parallel.activation import sparse_layer_active
 from ds_seqpar.parallel.ring import RingPlan, WorkCounter, build_schedule, check_qkv, ring_attention
 from ds_seqpar.parallel.ulysses import gather_heads, scatter_heads
+from ds_seqpar.parallel.ulysses_pipeline import HeadGroups, pipelined_ulysses
+
+DEFAULT_ULYSSES_CHUNKS = 4  # ``ulysses_chunks: "auto"``
 
 
 def input_layout(mesh: SeqParMesh) -> UspLayout:
@@ -166,6 +169,21 @@ def attention(
         _schedule(mesh), layout.ring, MaskSpec(causal=causal, window=window), doc_ids, kernel, work
     )
     heads = HeadPlan.build(q.shape[2], k.shape[2], mesh.ulysses_size)
+    groups = _head_groups(mesh, heads)
+    if groups is not None:
+
+        def attend(q_g: torch.Tensor, k_g: torch.Tensor, v_g: torch.Tensor) -> torch.Tensor:
+            return ring_attention(q_g, k_g, v_g, plan, softmax_scale)[0]
+
+        return pipelined_ulysses(q, k, v, heads, groups, mesh, attend)
     q2, k2, v2 = scatter_heads(q, k, v, heads, mesh)
     out, _ = ring_attention(q2, k2, v2, plan, softmax_scale)
     return gather_heads(out, heads, mesh)
+
+
+def _head_groups(mesh: SeqParMesh, heads: HeadPlan) -> HeadGroups | None:
+    """Pipelined head groups for a Ulysses-only mesh (R = 1, U > 1), or None for one exchange."""
+    if mesh.ring_size != 1 or mesh.ulysses_size == 1:
+        return None
+    wanted = mesh.config.ulysses_chunks if mesh.config is not None else "auto"
+    return HeadGroups.build(heads, DEFAULT_ULYSSES_CHUNKS if wanted == "auto" else wanted)
