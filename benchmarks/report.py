@@ -279,6 +279,14 @@ bash benchmarks/peers/install.sh        # peers into benchmarks/.peers (yunchang
 .venv/bin/python -m benchmarks.run --suite attention --quick   # smoke run, results *_quick.*
 ```
 
+ds_seqpar's rows: `auto` is the default (`ulysses_degree: "auto"`, `ulysses_chunks: "auto"`: with R = 1 the
+head exchange is pipelined against the attention in up to 4 head groups, [attention.md](attention.md#pipelined-ulysses));
+`auto, one exchange` is the same with `ulysses_chunks: 1` (shown where `auto` pipelines); `ulysses Px1`,
+`ring 1xP zigzag` and `usp 2x2 zigzag` are the other factorisations (a row equal to `auto` is not repeated).
+Two references are timed in the same round-robin: `reference: one process` (T_single: rank 0 alone runs the
+kernel on the whole sequence) and `reference: no communication` (every rank at once runs the kernel on its
+1/P of the heads and sends nothing).
+
 What each peer runs:
 
 - **deepspeed DistributedAttention**: `deepspeed.sequence.layer.DistributedAttention` (DeepSpeed 0.19.8) around
