@@ -199,6 +199,29 @@ PIPELINED = [
 ]
 
 
+def run_without_grad(case: dict) -> float:
+    """Max |out(no_grad) - out(grad)| of one case: inference builds no graph and gets the same output."""
+    mesh = _mesh(_MESHES, dist.get_world_size(), case["u"], None, case["layout"])
+    layout = ds_seqpar.input_layout(mesh)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (
+        layout.shard(
+            torch.randn(1, case["seq_len"], heads, D, generator=g, dtype=torch.float64), mesh.coords.sp_rank
+        )
+        for heads in (case["h"], case["h_kv"], case["h_kv"])
+    )
+    with torch.no_grad():
+        plain = ds_seqpar.attention(q, k, v, mesh=mesh, causal=True)
+    assert plain.grad_fn is None
+    tracked = ds_seqpar.attention(q.requires_grad_(), k, v, mesh=mesh, causal=True)
+    return (plain - tracked.detach()).abs().max().item()
+
+
+def test_pipelined_ulysses_without_grad_gives_the_same_output(dist_pool):
+    case = dict(u=8, layout="zigzag", seq_len=64, h=16, h_kv=2)
+    assert max(dist_pool(8).run(run_without_grad, case)) == 0.0
+
+
 def _ulysses_bytes(case: dict, p: int, b: int) -> int:
     """ALGORITHMS.md §8 (fwd, R = 1): (U-1)/U · B·n·D·(2H + 2H_kv') · bytes, H_kv' after replication."""
     u, h, kv = case["u"], case["h"], max(case["h_kv"], case["u"])

@@ -22,14 +22,20 @@ from ds_seqpar.comm.all_to_all import HeadPlan, head_to_seq, seq_to_head
 from ds_seqpar.mesh import SeqParMesh
 
 
+def gather_kv_heads(k: torch.Tensor, v: torch.Tensor, heads: HeadPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, n, H_kv, D]`` -> the K/V heads the plan sends, in rank order (replicated where U > H_kv)."""
+    if heads.kv_index is None:
+        return k, v
+    index = torch.tensor(heads.kv_index, device=k.device)
+    return k.index_select(2, index), v.index_select(2, index)
+
+
 def scatter_heads(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: HeadPlan, mesh: SeqParMesh
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[B, n, H|H_kv, D]`` -> ``[B, U·n, h_u|k_u, D]`` for q, k, v in one all-to-all (differentiable)."""
     group, me, stats = mesh.group("ulysses"), mesh.coords.ulysses_rank, mesh.comm_stats
-    if heads.kv_index is not None:
-        index = torch.tensor(heads.kv_index, device=k.device)
-        k, v = k.index_select(2, index), v.index_select(2, index)
+    k, v = gather_kv_heads(k, v, heads)
     q2, k2, v2 = seq_to_head((q, k, v), (heads.q_counts, heads.kv_counts, heads.kv_counts), group, me, stats)
     return q2, k2, v2
 

@@ -27,6 +27,7 @@ import torch
 
 from ds_seqpar.comm.all_to_all import HeadPlan, PendingExchange, post_head_to_seq, post_seq_to_head
 from ds_seqpar.mesh import SeqParMesh
+from ds_seqpar.parallel.ulysses import gather_kv_heads
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -225,9 +226,7 @@ def pipelined_ulysses(
         ``out [B, n, H, D]``; differentiable in q, k, v. Communicates what ``scatter_heads`` and
         ``gather_heads`` do, in ``groups.groups`` all-to-alls per direction.
     """
-    if heads.kv_index is not None:
-        index = torch.tensor(heads.kv_index, device=k.device)
-        k, v = k.index_select(2, index), v.index_select(2, index)
+    k, v = gather_kv_heads(k, v, heads)
     exchange = _Exchange(mesh.group("ulysses"), mesh.coords.ulysses_rank, mesh.comm_stats)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return _PipelinedUlysses.apply(groups, attend, exchange, needs_grad, q, k, v)
