@@ -31,13 +31,27 @@ def _mesh(u: int, layout: str = "zigzag", inner: int | None = None) -> SeqParMes
     return mesh
 
 
-def sp_vs_reference(kind: str, u: int, layout: str, batch: dict, model_overrides: dict | None = None) -> dict:
-    """One forward/backward of a full batch with and without SP; loss and gradient errors."""
+def sp_vs_reference(
+    kind: str,
+    u: int,
+    layout: str,
+    batch: dict,
+    model_overrides: dict | None = None,
+    reentrant_checkpointing: bool | None = None,
+) -> dict:
+    """One forward/backward of a full batch with and without SP; loss and gradient errors.
+    ``reentrant_checkpointing``: None = no activation checkpointing in the SP model, else HF gradient
+    checkpointing of every layer with that ``use_reentrant``."""
     mesh = _mesh(u, layout)
     ref = tiny_model(kind, **(model_overrides or {}))
     model = copy.deepcopy(ref)
     ref_loss = reference_loss(ref, batch)
     ref_loss.backward()
+    if reentrant_checkpointing is not None:
+        model.train()
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant_checkpointing}
+        )
     sp = SeqParCausalLM(model, mesh)
     shard = shard_batch(batch, mesh)
     loss = sp(**shard)
@@ -68,6 +82,16 @@ CASES = [
 def test_forward_backward_equals_non_sp(dist_pool, kind, u, layout, overrides):
     batch = batches(1, 2, 64)[0]
     for rep in dist_pool(4).run(sp_vs_reference, kind, u, layout, batch, overrides):
+        assert rep["finite"], rep
+        assert rep["loss_err"] <= 1e-5, rep
+        assert rep["grad_rel_err"] <= 1e-5, rep
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_with_pipelined_ulysses(dist_pool, reentrant):
+    """Layers recomputed in backward re-run the pipelined exchange (H=8, H_kv=2, U=4: 2 head groups)."""
+    batch = batches(1, 2, 64)[0]
+    for rep in dist_pool(4).run(sp_vs_reference, "qwen3", 4, "zigzag", batch, None, reentrant):
         assert rep["finite"], rep
         assert rep["loss_err"] <= 1e-5, rep
         assert rep["grad_rel_err"] <= 1e-5, rep
