@@ -19,6 +19,7 @@ head moves once each way.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -165,8 +166,7 @@ class _PipelinedUlysses(torch.autograd.Function):
         c = groups.groups
         dq = dout.new_empty(q_shape)
         dk, dv = (dout.new_empty(kv_shape, dtype=kv_dtype) for _ in range(2))
-        shared = {groups.kv_source[j] for j in range(c)}
-        uses = {s: sum(1 for j in range(c) if groups.kv_source[j] == s) for s in shared}
+        uses = Counter(groups.kv_source)  # groups reading each received K/V block
         kv_grads: dict[int, list[torch.Tensor]] = {}
 
         def post_dout(j: int) -> PendingExchange:
