@@ -360,13 +360,17 @@ class SequenceParallelConfig(_Section):
 
 
 def head_counts(model_config: Any) -> tuple[int, int]:
-    """``(num_attention_heads, num_key_value_heads)`` of a model config (dict or object)."""
+    """``(num_attention_heads, num_key_value_heads)`` of a model config (dict or object); a composite
+    config without head counts of its own (a language model under ``text_config``) is read there."""
 
     def get(name: str) -> Any:
         if isinstance(model_config, dict):
             return model_config.get(name)
         return getattr(model_config, name, None)
 
+    text_config = get("text_config")
+    if get("num_attention_heads") is None and text_config is not None:
+        return head_counts(text_config)
     heads = get("num_attention_heads")
     if not isinstance(heads, int) or heads < 1:
         raise SeqParConfigError(

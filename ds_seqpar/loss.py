@@ -21,6 +21,7 @@ fp32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,7 +31,10 @@ from torch.utils.checkpoint import checkpoint
 IGNORE_INDEX = -100
 
 
-def _chunk_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
+Head = Callable[[torch.Tensor], torch.Tensor]  # hidden [B, c, E] -> logits [B, c, V]
+
+
+def _chunk_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: Head) -> torch.Tensor:
     """Sum of token cross-entropies of one chunk: hidden ``[B, c, E]``, labels ``[B, c]``."""
     logits = head(hidden).float()
     return torch.nn.functional.cross_entropy(
@@ -39,13 +43,14 @@ def _chunk_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.M
 
 
 def chunked_token_loss_sum(
-    hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, chunk_size: int = 1024
+    hidden: torch.Tensor, labels: torch.Tensor, head: Head, chunk_size: int = 1024
 ) -> torch.Tensor:
     """Sum of token losses over this rank's tokens, ``chunk_size`` tokens of logits at a time.
 
     Args:
         hidden: final hidden states ``[B, n, E]``; labels: pre-shifted ``[B, n]`` (-100 = ignore).
-        head: the LM head (``model.get_output_embeddings()``), maps E -> V.
+        head: hidden ``[B, c, E]`` -> logits ``[B, c, V]``: the LM head, or the model's whole logits
+            computation (``integrations/hf_model.ModelLogits``: head plus any post-head transform).
     """
     if hidden.shape[:2] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree on [B, n]")
@@ -63,7 +68,7 @@ def chunked_token_loss_sum(
 def sp_causal_lm_loss(
     hidden: torch.Tensor,
     labels: torch.Tensor,
-    head: torch.nn.Module,
+    head: Head,
     sp_group: Any = None,
     *,
     grad_scale: float = 1.0,
@@ -72,7 +77,7 @@ def sp_causal_lm_loss(
     """Token-weighted loss over the SP group (see the module docstring).
 
     Args:
-        hidden: ``[B, n, E]``; labels: pre-shifted ``[B, n]``; head: the LM head.
+        hidden: ``[B, n, E]``; labels: pre-shifted ``[B, n]``; head: hidden -> logits (see above).
         sp_group: the SP process group (None: no SP, plain mean over this rank's tokens).
         grad_scale: gradient multiplier matching DeepSpeed's reduction (see ``sp_grad_scale``).
         chunk_size: tokens per logits chunk.

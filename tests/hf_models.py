@@ -9,8 +9,19 @@ import torch
 VOCAB = 96
 
 
+# families whose logits or attention go beyond plain softmax attention + LM head, with binding values
+FEATURE_MODELS = {
+    "gemma2": dict(attn_logit_softcapping=1.0, final_logit_softcapping=1.5, sliding_window=12),
+    "granite": dict(logits_scaling=4.0),
+    "cohere": dict(logit_scale=0.25),
+    "gpt_oss": dict(sliding_window=12),  # attention sinks (s_aux) on every layer
+}
+
+
 def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
-    """A float32 causal LM: ``llama``, ``mistral`` (sliding window) or ``qwen3`` (H=8, H_kv=2)."""
+    """A float32 causal LM: ``llama``, ``mistral`` (sliding window), ``qwen3`` (H=8, H_kv=2), or one of
+    :data:`FEATURE_MODELS` (Gemma 2 soft-caps, Granite logit divisor, Cohere logit scale, gpt-oss sinks)."""
+    import transformers
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -37,13 +48,25 @@ def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
     elif kind == "qwen3":
         cfg = Qwen3Config(num_attention_heads=8, num_key_value_heads=2, head_dim=8, **common)
         cls = Qwen3ForCausalLM
+    elif kind in FEATURE_MODELS:
+        cls = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[transformers.AutoConfig.for_model(kind).__class__]
+        extra = dict(head_dim=16, **FEATURE_MODELS[kind])
+        if kind == "gpt_oss":  # MoE: 4 experts, 2 per token; sink logits are zeros at init, so draw them
+            extra.update(num_local_experts=4, num_experts_per_tok=2, layer_types=["sliding_attention"] * 2)
+        cfg = transformers.AutoConfig.for_model(
+            kind, num_attention_heads=4, num_key_value_heads=2, **common, **extra
+        )
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}")
     for key, value in overrides.items():
         setattr(cfg, key, value)
     torch.manual_seed(seed)
     model = cls(cfg).float()
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation("eager" if kind in FEATURE_MODELS else "sdpa")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".sinks"):
+                param.normal_()
     return model
 
 

@@ -107,7 +107,48 @@ def _lm(**batch_overrides):
     return model(**{**batch, **batch_overrides})
 
 
+def _decoder_keyword(**kwargs):
+    """A keyword the model forwards to its attention layers (transformers passes **kwargs through)."""
+    from ds_seqpar import SeqParCausalLM
+    from ds_seqpar.integrations.transformers import CONTEXT_KEY, SeqParContext
+    from tests.hf_models import tiny_model
+
+    lm = SeqParCausalLM(tiny_model("llama"), _mesh(u=1))
+    batch = shard_batch({"input_ids": torch.randint(4, 50, (1, 16))}, lm.mesh)
+    ctx = SeqParContext(lm.mesh)
+    return lm.model.get_decoder()(
+        input_ids=batch["input_ids"], position_ids=batch["position_ids"], **{CONTEXT_KEY: ctx}, **kwargs
+    )
+
+
+def _attention_call(**kwargs):
+    """transformers' attention interface call, as an attention layer makes it."""
+    from ds_seqpar.integrations.transformers import CONTEXT_KEY, SeqParContext, seqpar_attention_forward
+
+    q, k, v = (t.transpose(1, 2) for t in _qkv())
+    layer = torch.nn.Module()
+    layer.layer_idx = 3
+    mask = kwargs.pop("attention_mask", None)
+    return seqpar_attention_forward(layer, q, k, v, mask, **{CONTEXT_KEY: SeqParContext(_mesh())}, **kwargs)
+
+
+def _moe_aux_loss():
+    from ds_seqpar import SeqParCausalLM
+    from tests.hf_models import tiny_model
+
+    return SeqParCausalLM(tiny_model("gpt_oss", output_router_logits=True), _mesh(u=1))
+
+
 CASES: dict[str, tuple[Callable[[], object], str]] = {
+    "attention_keyword_from_the_model": (lambda: _decoder_keyword(position_bias=torch.zeros(1, 4, 16, 16)), r"LlamaAttention \(layer 0\) passed position_bias=<tensor \(1, 4, 16, 16\).*honours dropout, scaling, sliding_window, softcap, s_aux, is_causal"),
+    "attention_keyword_varlen": (lambda: _attention_call(cu_seq_lens_q=torch.tensor([0, 8])), r"\(layer 3\) passed cu_seq_lens_q=<tensor \(2,\) torch.int64>"),
+    "attention_mask_reaches_attention": (lambda: _attention_call(attention_mask=torch.zeros(1, 1, 8, 8)), r"passed attention_mask of shape \(1, 1, 8, 8\).*cannot honour an explicit mask"),
+    "attention_sinks_wrong_size": (lambda: _attention_call(s_aux=torch.zeros(3)), r"s_aux=<tensor \(3,\).*one logit per query head \(4 values\)"),
+    "sinks_wrong_shape": (lambda: _attn(sinks=torch.zeros(3)), r"sinks must be a float tensor \[H\].*H=4\); got \(3,\)"),
+    "softcap_negative": (lambda: _attn(softcap=-1.0), r"softcap=-1.0 is invalid: use a number > 0"),
+    "softcap_with_sdpa_kernel": (lambda: _attn(mesh=_mesh(kernel="sdpa"), softcap=2.0), r"kernel='sdpa' cannot apply softcap=2.0.*valid here .*auto, torch"),
+    "model_input_not_text": (lambda: _lm(pixel_values=torch.zeros(1, 3, 8, 8)), r"got inputs \['pixel_values'\].*token ids only"),
+    "moe_router_aux_loss": (_moe_aux_loss, r"output_router_logits=True adds the MoE load-balancing loss.*set model.config.output_router_logits=False"),
     "position_ids_local_not_global": (lambda: _lm(position_ids=torch.arange(8)[None]), r"not the global positions.*shard_batch"),
     "position_ids_missing": (lambda: _lm(position_ids=None), r"position_ids is missing"),
     "attention_mask_4d": (lambda: _lm(attention_mask=torch.ones(1, 1, 16, 16)), r"attention_mask of shape \(1, 1, 16, 16\) cannot be honoured"),

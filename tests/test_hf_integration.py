@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import ds_seqpar
 from ds_seqpar import SeqParCausalLM, SeqParMesh, SequenceParallelConfig, shard_batch
-from tests.hf_models import batches, reference_loss, tiny_model
+from tests.hf_models import FEATURE_MODELS, batches, reference_loss, tiny_model
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -82,6 +82,20 @@ CASES = [
 def test_forward_backward_equals_non_sp(dist_pool, kind, u, layout, overrides):
     batch = batches(1, 2, 64)[0]
     for rep in dist_pool(4).run(sp_vs_reference, kind, u, layout, batch, overrides):
+        assert rep["finite"], rep
+        assert rep["loss_err"] <= 1e-5, rep
+        assert rep["grad_rel_err"] <= 1e-5, rep
+
+
+FEATURE_CASES = [(kind, u, layout) for kind in FEATURE_MODELS for u, layout in ((2, "zigzag"), (4, "stripe"))]
+
+
+@pytest.mark.parametrize(("kind", "u", "layout"), FEATURE_CASES)
+def test_post_head_transforms_softcap_and_sinks_equal_non_sp(dist_pool, kind, u, layout):
+    """Gemma 2 (attention softcap 1.0, final softcap 1.5), Granite (logits_scaling 4), Cohere (logit_scale
+    0.25), gpt-oss (attention sinks): loss and every gradient (sinks included) as without SP."""
+    batch = batches(1, 2, 64)[0]
+    for rep in dist_pool(4).run(sp_vs_reference, kind, u, layout, batch):
         assert rep["finite"], rep
         assert rep["loss_err"] <= 1e-5, rep
         assert rep["grad_rel_err"] <= 1e-5, rep
@@ -223,6 +237,8 @@ AB_CASES = [
     ("qwen3", 4, 4, 3),  # H=8, H_kv=2, U=4
     ("llama", 4, 2, 1),
     ("llama", 2, 2, 2),
+    # attention softcap + final softcap, logit divisor, logit scale, attention sinks (+ MoE)
+    *((kind, 4, 2, 3) for kind in FEATURE_MODELS),
 ]
 
 

@@ -24,6 +24,12 @@ from typing import Any
 
 import torch
 
+from ds_seqpar.integrations.hf_model import (
+    ModelLogits,
+    decoder_of,
+    refuse_unhonoured_features,
+    unwrap_hf_model,
+)
 from ds_seqpar.integrations.linear_models import route_linear_layers, unroute_linear_layers
 from ds_seqpar.loss import sp_causal_lm_loss
 from ds_seqpar.mesh import SeqParMesh
@@ -32,6 +38,7 @@ from ds_seqpar.parallel.usp import attention, input_layout
 
 ATTN_IMPLEMENTATION = "ds_seqpar"
 CONTEXT_KEY = "ds_seqpar_context"
+SHARD_EXTRAS = ("seq_len",)  # what shard_batch adds besides the model inputs
 
 
 @dataclass
@@ -45,6 +52,76 @@ class SeqParContext:
     calls: int = field(default=0)
 
 
+# Keywords of transformers' attention interface that ds_seqpar honours (values checked below) and
+# keywords that never change the result (positions are already in q/k through RoPE; the cache is
+# refused through q_len != k_len; attention weights are not returned).
+HONOURED_KEYWORDS = ("dropout", "scaling", "sliding_window", "softcap", "s_aux", "is_causal")
+NEUTRAL_KEYWORDS = frozenset(
+    {
+        CONTEXT_KEY,
+        "position_ids",
+        "cache_position",
+        "use_cache",
+        "output_attentions",
+        "past_key_values",
+        "past_key_value",
+        "layer_idx",
+        "deterministic",
+        "return_dict",
+    }
+)
+
+
+def _refuse_keywords(name: str, attention_mask: Any, kwargs: dict[str, Any]) -> None:
+    """Raise (before any collective) on a keyword whose value would change the attention."""
+    if attention_mask is not None:
+        shape = (
+            tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
+        )
+        raise ValueError(
+            f"{name} passed attention_mask of shape {shape} to the '{ATTN_IMPLEMENTATION}' attention; ds_seqpar "
+            "builds masks from global positions and document ids and cannot honour an explicit mask (no rank "
+            "holds the whole [S, S] mask). This model builds its own mask, so it cannot run under ds_seqpar"
+        )
+    for key, value in kwargs.items():
+        if key in NEUTRAL_KEYWORDS or value is None:
+            continue
+        raise ValueError(
+            f"{name} passed {key}={_short(value)} to the attention; ds_seqpar honours "
+            f"{', '.join(HONOURED_KEYWORDS)} and would ignore {key!r}, which changes the result: this model "
+            "cannot run under ds_seqpar (restore its attention with disable_sequence_parallel(model))"
+        )
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"<tensor {tuple(value.shape)} {value.dtype}>"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _sinks(name: str, s_aux: Any, num_heads: int) -> torch.Tensor | None:
+    if s_aux is None:
+        return None
+    if not isinstance(s_aux, torch.Tensor) or s_aux.numel() != num_heads:
+        raise ValueError(
+            f"{name} passed s_aux={_short(s_aux)}; ds_seqpar honours attention sinks as one logit per query "
+            f"head ({num_heads} values)"
+        )
+    return s_aux.reshape(num_heads)
+
+
+def _window(name: str, sliding_window: Any) -> int | None:
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(
+            f"{name} passed sliding_window={_short(sliding_window)}; ds_seqpar honours an int >= 1 (a query sees "
+            "the last `sliding_window` positions, itself included) or None"
+        )
+    return sliding_window
+
+
 def seqpar_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -54,17 +131,29 @@ def seqpar_attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """The ``"ds_seqpar"`` attention implementation: HF layout in, ``(out [B, n, H, D], None)`` out."""
+    """The ``"ds_seqpar"`` attention implementation: HF layout in, ``(out [B, n, H, D], None)`` out.
+
+    Honoured keywords: ``scaling``, ``sliding_window`` (query i sees key j iff 0 <= i - j < w),
+    ``softcap`` (Gemma 2 attention logit soft-capping), ``s_aux`` (gpt-oss attention sinks: one
+    logit per query head in the softmax denominator, gradients included), ``is_causal`` (else the
+    module's ``is_causal``), ``dropout`` (only 0). Any other keyword with a non-None value, and a
+    non-None ``attention_mask``, raise a ValueError naming the module, keyword and value, before any
+    collective; the neutral ones (``position_ids``, cache bookkeeping) are ignored.
+    """
     ctx = kwargs.get(CONTEXT_KEY)
-    name = type(module).__name__
+    name = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
     if not isinstance(ctx, SeqParContext):
         raise RuntimeError(
             f"{name} called the '{ATTN_IMPLEMENTATION}' attention without a ds_seqpar context; run the model "
             "through ds_seqpar.SeqParCausalLM / ds_seqpar.initialize (they pass ds_seqpar_context=...), or "
             "restore the original attention with disable_sequence_parallel(model)"
         )
+    _refuse_keywords(name, attention_mask, kwargs)
     if dropout:
         raise ValueError(
             f"{name}: attention dropout={dropout} is not supported under sequence parallelism; "
@@ -75,18 +164,21 @@ def seqpar_attention_forward(
             f"{name}: q_len={query.shape[2]} != k_len={key.shape[2]} (a KV cache is in use); sequence-parallel "
             "attention needs the whole sequence at once: pass use_cache=False, and generate with an unwrapped model"
         )
+    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     out = attention(
         query.transpose(1, 2),
         key.transpose(1, 2),
         value.transpose(1, 2),
         mesh=ctx.mesh,
-        causal=getattr(module, "is_causal", True),
+        causal=causal,
         softmax_scale=scaling,
-        window=sliding_window,
+        window=_window(name, sliding_window),
         doc_ids=ctx.doc_ids,
         work=ctx.work,
         layer=getattr(module, "layer_idx", None),
         step=ctx.step,
+        softcap=softcap or None,
+        sinks=_sinks(name, s_aux, query.shape[1]),
     )
     ctx.calls += 1
     return out, None
@@ -103,8 +195,10 @@ def enable_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
     """Switch ``model``'s attention to ``"ds_seqpar"``; remember the original to restore it.
 
     Raises an error naming the model class and its attention implementation when the model does
-    not dispatch through transformers' attention interface.
+    not dispatch through transformers' attention interface. A PEFT wrapper is unwrapped to the HF
+    model it adapts; the wrapper itself is returned.
     """
+    wrapper, model = model, unwrap_hf_model(model)
     config = getattr(model, "config", None)
     original = getattr(config, "_attn_implementation", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
@@ -113,7 +207,7 @@ def enable_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
             "attention of transformers models (e.g. LlamaForCausalLM, MistralForCausalLM, Qwen3ForCausalLM)"
         )
     if original == ATTN_IMPLEMENTATION:
-        return model
+        return wrapper
     register_attention()
     try:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -124,17 +218,27 @@ def enable_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
         ) from exc
     model._ds_seqpar_original_attn = original
     route_linear_layers(model)
-    return model
+    return wrapper
 
 
 def disable_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
     """Restore the attention implementation the model had before ``enable_sequence_parallel``."""
+    wrapper, model = model, unwrap_hf_model(model)
     original = getattr(model, "_ds_seqpar_original_attn", None)
     if original is not None:
         model.set_attn_implementation(original)
         del model._ds_seqpar_original_attn
     unroute_linear_layers(model)
-    return model
+    return wrapper
+
+
+@dataclass(frozen=True)
+class _ModelParts:
+    """The HF model inside a (PEFT) wrapper, its decoder and its logits; kept out of the module tree."""
+
+    hf: torch.nn.Module
+    decoder: torch.nn.Module
+    logits: ModelLogits
 
 
 class SeqParCausalLM(torch.nn.Module):
@@ -148,8 +252,13 @@ class SeqParCausalLM(torch.nn.Module):
     ``step`` (set by the training loop; ``train.py`` and ``SeqParTrainer`` do) is the optimizer step
     that ``sequence_parallel.sparse.dense_warmup_steps`` counts.
 
+    Logits are the model's own (``integrations/hf_model.ModelLogits``): its forward after the decoder
+    runs on each chunk of hidden states, so final norms, soft-caps and logit scales apply exactly.
+
     Args:
-        model: a HuggingFace ``*ForCausalLM`` (its attention is switched to ``"ds_seqpar"``).
+        model: a HuggingFace ``*ForCausalLM`` (its attention is switched to ``"ds_seqpar"``), a PEFT
+            wrapper of one, or a composite model whose language model sits under ``text_config``
+            (text-only batches; its vision tower is not called).
         mesh: the SP mesh.
         grad_scale: see ``ds_seqpar.loss.sp_grad_scale``.
         loss_chunk_size: tokens per logits chunk.
@@ -159,7 +268,11 @@ class SeqParCausalLM(torch.nn.Module):
         self, model: torch.nn.Module, mesh: SeqParMesh, grad_scale: float = 1.0, loss_chunk_size: int = 1024
     ) -> None:
         super().__init__()
+        hf = unwrap_hf_model(model)
+        refuse_unhonoured_features(hf)
         self.model = enable_sequence_parallel(model)
+        decoder = decoder_of(hf)
+        self._parts = _ModelParts(hf, decoder, ModelLogits(hf, decoder))
         self.mesh = mesh
         self.grad_scale = grad_scale
         self.loss_chunk_size = loss_chunk_size
@@ -169,7 +282,7 @@ class SeqParCausalLM(torch.nn.Module):
 
     @property
     def config(self) -> Any:
-        return self.model.config
+        return self._parts.hf.config
 
     def _hidden(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor | None
@@ -177,14 +290,16 @@ class SeqParCausalLM(torch.nn.Module):
         """Final hidden states ``[B, n, E]`` of this rank's tokens (every layer's attention over the group)."""
         self._check_positions(input_ids, position_ids, doc_ids)
         ctx = SeqParContext(self.mesh, doc_ids, self.work, self.step)
-        base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.base_model
-        hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False, **{CONTEXT_KEY: ctx})
+        hf, decoder = self._parts.hf, self._parts.decoder
+        hidden = decoder(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, **{CONTEXT_KEY: ctx}
+        )
         hidden = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
-        expected = getattr(self.model.config, "num_hidden_layers", None)
+        expected = getattr(getattr(decoder, "config", hf.config), "num_hidden_layers", None)
         if ctx.calls == 0 or (expected is not None and ctx.calls != expected):
             raise RuntimeError(
-                f"{type(self.model).__name__} (original attn_implementation="
-                f"{getattr(self.model, '_ds_seqpar_original_attn', None)!r}) called the ds_seqpar attention "
+                f"{type(hf).__name__} (original attn_implementation="
+                f"{getattr(hf, '_ds_seqpar_original_attn', None)!r}) called the ds_seqpar attention "
                 f"{ctx.calls} times for {expected} layers: some attention does not dispatch through transformers' "
                 "attention interface, so it cannot be split over the sequence"
             )
@@ -221,12 +336,20 @@ class SeqParCausalLM(torch.nn.Module):
 
     @staticmethod
     def _refuse_masks(extra: dict[str, Any]) -> None:
+        """Only what ``shard_batch`` produces; any other input the model would use is refused by name."""
         mask = extra.get("attention_mask")
         if mask is not None:
             raise ValueError(
                 f"attention_mask of shape {tuple(torch.as_tensor(mask).shape)} cannot be honoured under sequence "
                 "parallelism (no rank holds the whole [S, S] mask): give padding as a 2-D attention_mask to "
                 "ds_seqpar.shard_batch, and packed documents as position_ids that restart per document"
+            )
+        unknown = sorted(k for k, v in extra.items() if v is not None and k not in SHARD_EXTRAS)
+        if unknown:
+            raise ValueError(
+                f"SeqParCausalLM got inputs {unknown} that it would not pass to the model; it trains on token "
+                "ids only (input_ids, shift_labels, position_ids, doc_ids from ds_seqpar.shard_batch): images, "
+                "token types or embeddings cannot be split over the sequence"
             )
 
     def forward(
@@ -242,7 +365,7 @@ class SeqParCausalLM(torch.nn.Module):
         loss, num_tokens = sp_causal_lm_loss(
             hidden,
             shift_labels,
-            self.model.get_output_embeddings(),
+            self._parts.logits,
             self.mesh.group("sp"),
             grad_scale=self.grad_scale,
             chunk_size=self.loss_chunk_size,
@@ -267,7 +390,7 @@ class SeqParCausalLM(torch.nn.Module):
         self._refuse_masks(extra)
         hidden = self._hidden(input_ids, position_ids, doc_ids)
         labelled = shift_labels != -100
-        logits = self.model.get_output_embeddings()(hidden[labelled]).float()  # [T, V], T labelled tokens
+        logits = self._parts.logits(hidden[labelled][None])[0].float()  # [T, V], T labelled tokens
         targets = shift_labels[labelled]
         totals = torch.stack(
             [

@@ -15,15 +15,19 @@ Contract (ALGORITHMS.md §0.1, §0.3):
               so blocks contribute independently; rows with lse = -inf contribute nothing
     mask      None (all visible), ``causal=True`` (top-left: key j visible iff j <= i, as for
               :attr:`BlockKind.CAUSAL`), or bool [Sq, Sk] / [B, Sq, Sk], True = visible
+    softcap   None, or c > 0: every score s = scale · q·k becomes c · tanh(s / c) before the softmax
+              (Gemma 2 attention logit soft-capping); lse is that of the capped scores, and the
+              backward multiplies the score gradient by 1 - tanh²(s / c)
 
 Kernels (one registry, chosen by name or ``"auto"``):
-    torch       pure PyTorch, chunked over query and key blocks (memory O(chunk²)); the reference
+    torch       pure PyTorch, chunked over query and key blocks (memory O(chunk²)); the reference;
+                softcap
     sdpa        PyTorch's CPU flash op (``_scaled_dot_product_flash_attention_for_cpu`` + backward);
-                bf16/fp16 run natively (fp32 accumulation inside the op, as flash-attn does)
+                bf16/fp16 run natively (fp32 accumulation inside the op, as flash-attn does); no softcap
     flash_attn  flash-attn on CUDA for fp16/bf16: FULL and square causal blocks via the public
-                ``flash_attn_func``; explicit masks, rectangular causal and the backward (no public
-                entry point takes an external out/lse) run on the torch kernel
-    auto        the first available of flash_attn, sdpa, torch
+                ``flash_attn_func`` (softcap natively); explicit masks, rectangular causal and the
+                backward (no public entry point takes an external out/lse) run on the torch kernel
+    auto        the first available of flash_attn, sdpa, torch (with softcap: the first that applies it)
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ __all__ = [
     "available_kernels",
     "block_attn_backward",
     "block_attn_forward",
+    "check_softcap",
     "resolve_kernel",
     "torch_chunked_kernel",
 ]
@@ -48,12 +53,13 @@ __all__ = [
 NEG_INF = float("-inf")
 DEFAULT_CHUNK = 512
 
-# forward(q, k, v, scale, mask, causal) -> (out, lse); mask is None or bool [B|1, Sq, Sk]
+# forward(q, k, v, scale, mask, causal, softcap) -> (out, lse); mask is None or bool [B|1, Sq, Sk];
+# softcap is None or c > 0 (only passed to kernels with ``softcap=True``)
 ForwardFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor | None, bool],
+    [torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor | None, bool, float | None],
     tuple[torch.Tensor, torch.Tensor],
 ]
-# backward(dout, q, k, v, out, lse, scale, mask, causal) -> (dq, dk, dv); lse finite here
+# backward(dout, q, k, v, out, lse, scale, mask, causal, softcap) -> (dq, dk, dv); lse finite here
 BackwardFn = Callable[
     [
         torch.Tensor,
@@ -65,6 +71,7 @@ BackwardFn = Callable[
         float,
         torch.Tensor | None,
         bool,
+        float | None,
     ],
     tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 ]
@@ -76,13 +83,15 @@ class AttentionKernel:
 
     ``forward`` / ``backward`` receive validated inputs (Sq, Sk >= 1; mask bool ``[B|1, Sq, Sk]``;
     backward gets lse with -inf rows replaced by 0 and their dout zeroed). ``unavailable`` returns
-    why the kernel cannot run for ``(device, dtype)``, or None when it can.
+    why the kernel cannot run for ``(device, dtype)``, or None when it can. ``softcap``: whether the
+    kernel applies score soft-capping (kernels without it always receive ``softcap=None``).
     """
 
     name: str
     forward: ForwardFn
     backward: BackwardFn
     unavailable: Callable[[torch.device, torch.dtype], str | None]
+    softcap: bool = False
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -119,14 +128,27 @@ def _key_chunks(
 
 
 def _masked_scores(
-    q_c: torch.Tensor, k_c: torch.Tensor, scale: float, visible: torch.Tensor | None, g: int
-) -> torch.Tensor:
-    """Scores ``[B, H_kv, g*cq, ck]`` for grouped queries ``[B, H_kv, g*cq, D]`` and keys ``[B, H_kv, ck, D]``."""
+    q_c: torch.Tensor,
+    k_c: torch.Tensor,
+    scale: float,
+    visible: torch.Tensor | None,
+    g: int,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scores ``[B, H_kv, g*cq, ck]`` for grouped queries ``[B, H_kv, g*cq, D]`` and keys ``[B, H_kv, ck, D]``.
+
+    Returns ``(scores, tanh)``: with ``softcap`` c the scores are c·tanh(s/c) and ``tanh`` is tanh(s/c)
+    (for the backward's chain factor 1 - tanh²), else ``tanh`` is None.
+    """
     s = (q_c @ k_c.transpose(-1, -2)).mul_(scale)
+    t = None
+    if softcap is not None:
+        t = torch.tanh(s.div_(softcap))
+        s = t * softcap
     if visible is not None:
         b, hkv, _, ck = s.shape
         s.view(b, hkv, g, -1, ck).masked_fill_(~visible.unsqueeze(1), NEG_INF)
-    return s
+    return s, t
 
 
 def _grouped(x: torch.Tensor, hkv: int, qs: int, qe: int, acc: torch.dtype) -> torch.Tensor:
@@ -149,6 +171,7 @@ def _torch_forward(
     scale: float,
     mask: torch.Tensor | None,
     causal: bool,
+    softcap: float | None = None,
     *,
     chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,7 +190,7 @@ def _torch_forward(
         row_sum = torch.zeros_like(row_max)
         o_c = torch.zeros_like(q_c)
         for ks, ke, visible in _key_chunks(mask, causal, qs, qe, sk, chunk, q.device):
-            s = _masked_scores(q_c, k_h[:, :, ks:ke].to(acc), scale, visible, g)
+            s, _ = _masked_scores(q_c, k_h[:, :, ks:ke].to(acc), scale, visible, g, softcap)
             new_max = torch.maximum(row_max, s.amax(dim=-1))
             safe_max = new_max.masked_fill(new_max == NEG_INF, 0.0)  # row still empty: avoid -inf - -inf
             p = torch.exp(s - safe_max.unsqueeze(-1))
@@ -193,6 +216,7 @@ def _torch_backward(
     scale: float,
     mask: torch.Tensor | None,
     causal: bool,
+    softcap: float | None = None,
     *,
     chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -217,9 +241,12 @@ def _torch_backward(
         for ks, ke, visible in _key_chunks(mask, causal, qs, qe, sk, chunk, q.device):
             k_c = k_h[:, :, ks:ke].to(acc)
             v_c = v_h[:, :, ks:ke].to(acc)
-            p = torch.exp(_masked_scores(q_c, k_c, scale, visible, g) - lse_c)  # [B, H_kv, g*cq, ck]
+            s, t = _masked_scores(q_c, k_c, scale, visible, g, softcap)
+            p = torch.exp(s - lse_c)  # [B, H_kv, g*cq, ck]
             dv[:, :, ks:ke] += p.transpose(-1, -2) @ do_c
             dz = p * (do_c @ v_c.transpose(-1, -2) - delta_c)
+            if t is not None:  # d(c·tanh(s/c))/ds = 1 - tanh²(s/c)
+                dz = dz * (1.0 - t * t)
             dq_c += dz @ k_c
             dk[:, :, ks:ke] += dz.transpose(-1, -2) @ q_c
         dq[:, qs:qe] = _ungroup(dq_c, g) * scale
@@ -239,6 +266,7 @@ def torch_chunked_kernel(chunk: int = DEFAULT_CHUNK) -> AttentionKernel:
         forward=functools.partial(_torch_forward, chunk=chunk),
         backward=functools.partial(_torch_backward, chunk=chunk),
         unavailable=_always_available,
+        softcap=True,
     )
 
 
@@ -271,6 +299,7 @@ def _sdpa_forward(
     scale: float,
     mask: torch.Tensor | None,
     causal: bool,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # the op takes fp32, fp64 and bf16 / fp16 natively (fp32 accumulation inside, fp32 lse), like flash-attn
     q_t, k_t, v_t = (x.transpose(1, 2) for x in (q, k, v))
@@ -294,6 +323,7 @@ def _sdpa_backward(
     scale: float,
     mask: torch.Tensor | None,
     causal: bool,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     do_t, q_t, k_t, v_t, o_t = (x.to(q.dtype).transpose(1, 2) for x in (dout, q, k, v, out))
     attn_mask = None if mask is None else _additive(mask, q.dtype)
@@ -323,14 +353,18 @@ def _flash_forward(
     scale: float,
     mask: torch.Tensor | None,
     causal: bool,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     d = q.shape[-1]
     # flash-attn has no arbitrary mask, aligns causal bottom-right, and wants D % 8 == 0, D <= 256.
     if mask is not None or (causal and q.shape[1] != k.shape[1]) or d % 8 or d > 256:
-        return _torch_forward(q, k, v, scale, mask, causal, chunk=DEFAULT_CHUNK)
+        return _torch_forward(q, k, v, scale, mask, causal, softcap, chunk=DEFAULT_CHUNK)
     from flash_attn import flash_attn_func
 
-    out, lse, _ = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True)
+    extra = {} if softcap is None else {"softcap": softcap}  # flash-attn >= 2.6
+    out, lse, _ = flash_attn_func(
+        q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True, **extra
+    )
     return out.float(), lse.float()
 
 
@@ -340,6 +374,7 @@ KERNELS: dict[str, AttentionKernel] = {
         forward=_flash_forward,
         backward=functools.partial(_torch_backward, chunk=DEFAULT_CHUNK),
         unavailable=_flash_unavailable,
+        softcap=True,
     ),
     "sdpa": AttentionKernel(
         name="sdpa", forward=_sdpa_forward, backward=_sdpa_backward, unavailable=_sdpa_unavailable
@@ -353,31 +388,55 @@ KERNELS: dict[str, AttentionKernel] = {
 # dispatch
 
 
-def available_kernels(device: torch.device | str, dtype: torch.dtype) -> list[str]:
-    """Kernel names that can run for ``(device, dtype)``, in ``auto`` preference order."""
+def available_kernels(device: torch.device | str, dtype: torch.dtype, softcap: bool = False) -> list[str]:
+    """Kernel names that can run for ``(device, dtype)`` (and apply a softcap, if asked), in ``auto`` order."""
     device = torch.device(device)
-    return [name for name, kern in KERNELS.items() if kern.unavailable(device, dtype) is None]
+    return [
+        name
+        for name, kern in KERNELS.items()
+        if kern.unavailable(device, dtype) is None and (kern.softcap or not softcap)
+    ]
 
 
-def _resolve(kernel: str | AttentionKernel, device: torch.device, dtype: torch.dtype) -> AttentionKernel:
+def check_softcap(softcap: float | None) -> float | None:
+    """``softcap`` as a float (None = off); a ValueError naming the value unless it is a number > 0."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float) or not softcap > 0:
+        raise ValueError(
+            f"softcap={softcap!r} is invalid: use a number > 0 (scores become softcap · tanh(score / softcap)) "
+            "or None for no soft-capping"
+        )
+    return float(softcap)
+
+
+def _resolve(
+    kernel: str | AttentionKernel, device: torch.device, dtype: torch.dtype, softcap: float | None = None
+) -> AttentionKernel:
+    capped = softcap is not None
     if isinstance(kernel, AttentionKernel):
         kern = kernel
     elif kernel == "auto":
-        return KERNELS[available_kernels(device, dtype)[0]]
+        return KERNELS[available_kernels(device, dtype, capped)[0]]
     elif kernel in KERNELS:
         kern = KERNELS[kernel]
     else:
         raise ValueError(f"unknown kernel={kernel!r}; valid names: auto, {', '.join(KERNELS)}")
     reason = kern.unavailable(device, dtype)
+    if reason is None and capped and not kern.softcap:
+        reason = f"cannot apply softcap={softcap} (attention logit soft-capping)"
     if reason is not None:
-        valid = ", ".join(["auto", *available_kernels(device, dtype)])
+        valid = ", ".join(["auto", *available_kernels(device, dtype, capped)])
         raise ValueError(f"kernel={kern.name!r} {reason}; valid here ({device.type}, {dtype}): {valid}")
     return kern
 
 
-def resolve_kernel(name: str, device: torch.device | str, dtype: torch.dtype) -> str:
-    """The concrete kernel ``name`` runs as (``"auto"`` -> fastest available); ValueError if it cannot run."""
-    return _resolve(name, torch.device(device), dtype).name
+def resolve_kernel(
+    name: str, device: torch.device | str, dtype: torch.dtype, softcap: float | None = None
+) -> str:
+    """The concrete kernel ``name`` runs as (``"auto"`` -> fastest available that applies ``softcap``);
+    ValueError if it cannot run."""
+    return _resolve(name, torch.device(device), dtype, check_softcap(softcap)).name
 
 
 def _validate(
@@ -436,6 +495,7 @@ def block_attn_forward(
     causal: bool = False,
     kernel: str | AttentionKernel = "auto",
     out_dtype: torch.dtype | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query block over one key/value block, with its log-sum-exp.
 
@@ -448,18 +508,21 @@ def block_attn_forward(
 
         out_dtype: dtype of ``out`` (default: the acc dtype). A caller that merges nothing (one block
             covers the whole attention) passes q.dtype and skips two conversions.
+        softcap: None, or c > 0: scores become c·tanh(score / c) before the softmax (``auto`` then
+            picks a kernel that applies it; a named kernel that cannot raises).
 
     Returns:
         ``(out [B, Sq, H, D], lse [B, H, Sq])``: out in ``out_dtype``, lse in the acc dtype (fp64 for
         fp64 inputs, else fp32); rows that see no key have out 0 and lse -inf.
     """
     mask = _validate(q, k, v, mask, causal)
-    kern = _resolve(kernel, q.device, q.dtype)
+    softcap = check_softcap(softcap)
+    kern = _resolve(kernel, q.device, q.dtype, softcap)
     (b, sq, h, d), sk = q.shape, k.shape[1]
     acc = _acc_dtype(q.dtype)
     if sq == 0 or sk == 0:
         return q.new_zeros(b, sq, h, d, dtype=out_dtype or acc), q.new_full((b, h, sq), NEG_INF, dtype=acc)
-    out, lse = kern.forward(q, k, v, d**-0.5 if scale is None else scale, mask, causal)
+    out, lse = kern.forward(q, k, v, d**-0.5 if scale is None else scale, mask, causal, softcap)
     return out.to(out_dtype or acc), lse.to(acc)
 
 
@@ -476,12 +539,13 @@ def block_attn_backward(
     causal: bool = False,
     kernel: str | AttentionKernel = "auto",
     grad_dtype: torch.dtype | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one (query block, key block) pair given the FINAL out / lse of the query rows.
 
     Args:
         dout, out: ``[B, Sq, H, D]`` (any float dtype); lse: ``[B, H, Sq]``; q, k, v, scale, mask,
-            causal, kernel: as in :func:`block_attn_forward`.
+            causal, kernel, softcap: as in :func:`block_attn_forward`.
         grad_dtype: dtype of the gradients (default: the acc dtype, for summing over blocks).
 
     Returns:
@@ -490,7 +554,8 @@ def block_attn_backward(
         gradient.
     """
     mask = _validate(q, k, v, mask, causal)
-    kern = _resolve(kernel, q.device, q.dtype)
+    softcap = check_softcap(softcap)
+    kern = _resolve(kernel, q.device, q.dtype, softcap)
     (b, sq, h, d), (_, sk, hkv, _) = q.shape, k.shape
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != (b, h, sq):
         raise ValueError(
@@ -508,5 +573,5 @@ def block_attn_backward(
     if bool(empty.any()):
         lse = lse.masked_fill(empty, 0.0)
         dout = dout.masked_fill(empty.transpose(1, 2).unsqueeze(-1), 0.0)
-    grads = kern.backward(dout, q, k, v, out, lse, d**-0.5 if scale is None else scale, mask, causal)
+    grads = kern.backward(dout, q, k, v, out, lse, d**-0.5 if scale is None else scale, mask, causal, softcap)
     return tuple(g.to(acc) for g in grads)

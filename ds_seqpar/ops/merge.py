@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["merge_attn", "merge_attn_"]
+__all__ = ["apply_sink", "merge_attn", "merge_attn_", "sink_grad"]
 
 RowIndex = slice | torch.Tensor
 
@@ -75,3 +75,35 @@ def merge_attn_(
     out_new, lse_new = merge_attn(out_acc[:, rows], lse_acc[:, :, rows], out_blk, lse_blk)
     out_acc[:, rows] = out_new
     lse_acc[:, :, rows] = lse_new
+
+
+# ----------------------------------------------------------------------------------------------
+# attention sinks (gpt-oss ``s_aux``; see docs/kernels.md "Attention sinks")
+#
+# A sink is one extra logit s_h per query head in every row's softmax denominator, with a zero
+# value vector. Given the merged (out, lse) over all real keys:
+#     lse_f = logaddexp(lse, s_h)          out_f = out · exp(lse - lse_f) = out · sigmoid(lse - s_h)
+# and (out_f, lse_f) are the FINAL results the block backward expects (the sink column adds
+# nothing to dV and dP). The sink's own gradient is
+#     dL/ds_h = -Σ_rows exp(s_h - lse_f) · Δ,   Δ = rowsum(dout · out_f).
+
+
+def apply_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold per-head sink logits into merged results: ``out [B, S, H, D]``, ``lse [B, H, S]``, ``sink [H]``.
+
+    Returns ``(out_f, lse_f)`` in the dtypes of ``out`` / ``lse``; a row that saw no key keeps out 0
+    and gets lse = the sink's logit.
+    """
+    sink_rows = sink.to(lse.dtype).view(1, -1, 1).expand_as(lse)
+    lse_f = torch.logaddexp(lse, sink_rows)
+    factor = torch.exp(lse - lse_f).nan_to_num_(0.0)  # lse = -inf rows: factor 0
+    return out * factor.transpose(1, 2).unsqueeze(-1).to(out.dtype), lse_f
+
+
+def sink_grad(
+    dout: torch.Tensor, out_f: torch.Tensor, lse_f: torch.Tensor, sink: torch.Tensor
+) -> torch.Tensor:
+    """Gradient of the sink logits ``[H]`` (in lse's dtype) from this rank's rows (see above)."""
+    delta = (dout.to(lse_f.dtype) * out_f.to(lse_f.dtype)).sum(-1).transpose(1, 2)  # [B, H, S]
+    weight = torch.exp(sink.to(lse_f.dtype).view(1, -1, 1) - lse_f)
+    return -(weight * delta).sum(dim=(0, 2))

@@ -21,6 +21,8 @@ def dense_attention_reference(
     v: torch.Tensor,
     mask: torch.Tensor | None = None,
     scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain softmax attention, differentiable by autograd, computed in the input dtype.
 
@@ -29,25 +31,31 @@ def dense_attention_reference(
         mask: None (all visible) or bool ``[Sq, Sk]`` / ``[B, Sq, Sk]`` / per head ``[B, H, Sq, Sk]``,
             True = visible.
         scale: softmax scale, default ``D ** -0.5``.
+        softcap: None, or c > 0: scores become ``c · tanh(score / c)`` (Gemma 2).
+        sinks: None, or ``[H]`` attention-sink logits (gpt-oss ``s_aux``): one extra logit per head
+            in every row's softmax denominator, attached to a zero value vector.
 
     Returns:
-        ``(out [B, Sq, H, D], lse [B, H, Sq])``; a row that sees no key has out 0 and lse -inf
-        (its gradients are 0, not NaN).
+        ``(out [B, Sq, H, D], lse [B, H, Sq])``; lse includes the sink. A row that sees no key has
+        out 0 and lse -inf (the sink's logit with sinks); its gradients are 0, not NaN.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     group = q.shape[2] // k.shape[2]
     k_h = k.repeat_interleave(group, dim=2).transpose(1, 2)  # [B, H, Sk, D]
     v_h = v.repeat_interleave(group, dim=2).transpose(1, 2)
     scores = scale * q.transpose(1, 2) @ k_h.transpose(-1, -2)  # [B, H, Sq, Sk]
-    if mask is None:
-        lse = torch.logsumexp(scores, dim=-1)
-        return (torch.softmax(scores, dim=-1) @ v_h).transpose(1, 2), lse
-    per_row = mask if mask.dim() == 3 else mask.unsqueeze(0)
-    visible = mask if mask.dim() == 4 else per_row.unsqueeze(1)  # [B, H, Sq, Sk] or [B|1, 1, Sq, Sk]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    visible = torch.ones_like(scores, dtype=torch.bool) if mask is None else mask
+    per_row = visible if visible.dim() != 2 else visible.unsqueeze(0)
+    visible = per_row if per_row.dim() == 4 else per_row.unsqueeze(1)  # [B|1, H|1, Sq, Sk]
     empty_row = ~visible.any(dim=-1, keepdim=True)
     # Empty rows get finite dummy scores so softmax/logsumexp stay NaN-free; their p is zeroed below.
     scores = scores.masked_fill(~visible, float("-inf")).masked_fill(empty_row, 0.0)
     lse = torch.logsumexp(scores, dim=-1)
-    p = torch.exp(scores - lse.unsqueeze(-1)).masked_fill(~visible, 0.0)
     lse = lse.masked_fill(empty_row.squeeze(-1), float("-inf"))
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1).expand_as(lse))
+    safe = lse.masked_fill(lse == float("-inf"), 0.0)
+    p = torch.exp(scores - safe.unsqueeze(-1)).masked_fill(~visible, 0.0)
     return (p @ v_h).transpose(1, 2), lse

@@ -489,9 +489,10 @@ def _check(
         )
 
 
-def _masked_kernel(q: torch.Tensor) -> str:
-    """The fastest available block kernel that takes an explicit mask (sdpa on CPU, else torch)."""
-    return "sdpa" if "sdpa" in available_kernels(q.device, q.dtype) else "torch"
+def _masked_kernel(q: torch.Tensor, softcap: float | None) -> str:
+    """The fastest available block kernel that takes an explicit mask (and the softcap, if any):
+    sdpa on CPU, else torch."""
+    return "sdpa" if "sdpa" in available_kernels(q.device, q.dtype, softcap is not None) else "torch"
 
 
 def _row_pattern(pattern: SparsePattern, batch: int) -> SparsePattern:
@@ -536,12 +537,13 @@ def _pair_setup(
     k_pos: torch.Tensor,
     pattern: SparsePattern,
     spec: MaskSpec,
+    softcap: float | None,
 ) -> tuple[torch.dtype, int, _PairTiles, str]:
     """Checks, then ``(acc dtype, GQA group size, tiling of the pair, block kernel name)``."""
     _check(q, k, q_pos, k_pos, pattern, spec)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     tiles = _pair_tiles(_row_pattern(pattern, q.shape[0]), q_pos, k_pos)
-    return acc, q.shape[2] // k.shape[2], tiles, _masked_kernel(q)
+    return acc, q.shape[2] // k.shape[2], tiles, _masked_kernel(q, softcap)
 
 
 def _row(x: torch.Tensor | None, b: int) -> torch.Tensor | None:
@@ -561,6 +563,7 @@ def sparse_attn_forward(
     spec: MaskSpec = CAUSAL,
     q_doc: torch.Tensor | None = None,
     k_doc: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Sparse attention of one (query shard, key shard) pair under ``pattern``.
 
@@ -569,12 +572,13 @@ def sparse_attn_forward(
         pattern: covers the H query heads (B rows or 1).
         spec: must be causal; its window applies on top of the pattern.
         q_doc, k_doc: document ids ``[Sq]`` / ``[B, Sq]`` (negative = padding) or None.
+        softcap: None, or c > 0: scores become c·tanh(score / c) (see ``ops/attention.py``).
 
     Returns:
         ``(out [B, Sq, H, D], lse [B, H, Sq], pairs)`` in fp32 (fp64 for fp64 inputs); rows that see
         no key have out 0 and lse -inf; ``pairs`` = score pairs computed over rows and heads.
     """
-    acc, group, tiles, kernel = _pair_setup(q, k, q_pos, k_pos, pattern, spec)
+    acc, group, tiles, kernel = _pair_setup(q, k, q_pos, k_pos, pattern, spec, softcap)
     b, sq, h, d = q.shape
     out = torch.zeros(b, sq, h, d, dtype=acc, device=q.device)
     lse = torch.full((b, h, sq), NEG_INF, dtype=acc, device=q.device)
@@ -597,6 +601,7 @@ def sparse_attn_forward(
                     mask=mask,
                     causal=part.causal and mask is None,
                     kernel=kernel,
+                    softcap=softcap,
                 )
                 out_t[part.q_tiles], lse_t[part.q_tiles] = merge_attn(
                     out_t[part.q_tiles], lse_t[part.q_tiles], o_p, lse_p
@@ -622,12 +627,13 @@ def sparse_attn_backward(
     spec: MaskSpec = CAUSAL,
     q_doc: torch.Tensor | None = None,
     k_doc: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one pair given the FINAL ``out`` ``[B, Sq, H, D]`` and ``lse`` ``[B, H, Sq]`` of the rows.
 
     Returns ``(dq [B, Sq, H, D], dk, dv [B, Sk, H_kv, D])`` in fp32 (fp64 for fp64 inputs).
     """
-    acc, group, tiles, kernel = _pair_setup(q, k, q_pos, k_pos, pattern, spec)
+    acc, group, tiles, kernel = _pair_setup(q, k, q_pos, k_pos, pattern, spec, softcap)
     b, sq, h, d = q.shape
     dq = torch.zeros(b, sq, h, d, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
@@ -656,6 +662,7 @@ def sparse_attn_backward(
                     mask=mask,
                     causal=part.causal and mask is None,
                     kernel=kernel,
+                    softcap=softcap,
                 )
                 if isinstance(part.q_tiles, slice):
                     dq_t[part.q_tiles] += dq_p
@@ -690,11 +697,14 @@ def sparse_attention_reference(
     scale: float | None = None,
     spec: MaskSpec = CAUSAL,
     doc_ids: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense single-process attention under the pattern's token mask (ground truth; autograd).
 
     Args:
         q: ``[B, S, H, D]``; k, v: ``[B, S, H_kv, D]`` in global order; doc_ids ``[S]`` / ``[B, S]``.
+        softcap, sinks: as in ``ops/reference.dense_attention_reference``.
 
     Returns:
         ``(out [B, S, H, D], lse [B, H, S])`` in the input dtype.
@@ -710,7 +720,7 @@ def sparse_attention_reference(
         else token_mask(pos.expand(doc_ids.shape), pos.expand(doc_ids.shape), spec, doc_ids, doc_ids)
     )
     base = base if base.dim() == 3 else base[None]
-    return dense_attention_reference(q, k, v, mask & base[:, None], scale)
+    return dense_attention_reference(q, k, v, mask & base[:, None], scale, softcap, sinks)
 
 
 # ----------------------------------------------------------------------------------------------

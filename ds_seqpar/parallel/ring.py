@@ -32,7 +32,7 @@ from ds_seqpar.comm.p2p import AllGatherSchedule, RingComm, RingSchedule
 from ds_seqpar.layout import SeqLayout
 from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward
 from ds_seqpar.ops.masks import BlockKind, MaskSpec, classify_block, quick_block_kind
-from ds_seqpar.ops.merge import merge_attn_
+from ds_seqpar.ops.merge import apply_sink, merge_attn_, sink_grad
 from ds_seqpar.ops.sparse import SparsePattern, sparse_attn_backward, sparse_attn_forward
 
 Schedule = RingSchedule | AllGatherSchedule
@@ -71,6 +71,7 @@ class RingPlan:
         sparse: a vertical-slash pattern of this rank's query heads (``ops/sparse.py``): every step
             then runs the sparse block kernel on the whole (query shard, key shard) pair instead of
             the dense kernel per segment pair (the sparse ring, ALGORITHMS.md §14). Needs causal.
+        softcap: None, or c > 0: every score s becomes c·tanh(s / c) before the softmax (Gemma 2).
     """
 
     schedule: Schedule
@@ -80,6 +81,7 @@ class RingPlan:
     kernel: str = "auto"
     work: WorkCounter | None = None
     sparse: SparsePattern | None = None
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         if self.sparse is not None and not self.spec.causal:
@@ -206,7 +208,17 @@ def _sparse_step_forward(
     q_pos, q_doc = _pair_meta(plan, seq_len, plan.schedule.ring_rank, q.device)
     k_pos, k_doc = _pair_meta(plan, seq_len, owner, q.device)
     out_blk, lse_blk, pairs = sparse_attn_forward(
-        q, k_blk, v_blk, q_pos, k_pos, plan.sparse, scale=scale, spec=plan.spec, q_doc=q_doc, k_doc=k_doc
+        q,
+        k_blk,
+        v_blk,
+        q_pos,
+        k_pos,
+        plan.sparse,
+        scale=scale,
+        spec=plan.spec,
+        q_doc=q_doc,
+        k_doc=k_doc,
+        softcap=plan.softcap,
     )
     merge_attn_(out, lse, out_blk, lse_blk)
     if plan.work is not None:
@@ -243,6 +255,7 @@ def _sparse_step_backward(
         spec=plan.spec,
         q_doc=q_doc,
         k_doc=k_doc,
+        softcap=plan.softcap,
     )
 
 
@@ -281,9 +294,28 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caller: str) ->
         )
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan) -> int:
+def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor, caller: str) -> None:
+    """Sink logits must be one float per query head of ``q [B, n, H, D]``, on q's device."""
+    if sinks is None:
+        return
+    h = q.shape[2]
+    if not isinstance(sinks, torch.Tensor) or sinks.shape != (h,) or not sinks.dtype.is_floating_point:
+        got = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(
+            f"{caller}: sinks must be a float tensor [H] with one logit per query head (H={h}); got {got}"
+        )
+    if sinks.device != q.device:
+        raise ValueError(
+            f"{caller}: sinks are on {sinks.device} but q is on {q.device}; move them to one device"
+        )
+
+
+def _check_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, sinks: torch.Tensor | None
+) -> int:
     """Validate before any communication; return the global length S."""
     check_qkv(q, k, v, "ring attention")
+    check_sinks(sinks, q, "ring attention")
     seq_len = q.shape[1] * plan.layout.world
     plan.layout.check_length(seq_len)
     if plan.doc_ids is not None and plan.doc_ids.shape[-1] != seq_len:
@@ -322,8 +354,16 @@ def _accumulate(
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float):
-        seq_len = _check_inputs(q, k, v, plan)
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None,
+        plan: RingPlan,
+        scale: float,
+    ):
+        seq_len = _check_inputs(q, k, v, plan, sinks)
         q_pos, q_doc = _query_meta(plan, seq_len, q.device)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         b, n, h, d = q.shape
@@ -345,7 +385,7 @@ class _RingAttention(torch.autograd.Function):
                 continue
             step_pairs = 0
             tasks = _tasks(plan, seq_len, owner, q_pos, q_doc)
-            only = _only_call(plan, tasks, n)
+            only = _only_call(plan, tasks, n) and sinks is None
             for task in tasks:
                 out_blk, lse_blk = block_attn_forward(
                     q[:, task.q_rows],
@@ -356,6 +396,7 @@ class _RingAttention(torch.autograd.Function):
                     causal=task.kind is BlockKind.CAUSAL,
                     kernel=plan.kernel,
                     out_dtype=q.dtype if only else None,  # nothing to merge: skip the fp32 round trip
+                    softcap=plan.softcap,
                 )
                 if out is None and _covers(task.q_rows, n):
                     out, lse = out_blk.contiguous(), lse_blk.contiguous()
@@ -371,14 +412,16 @@ class _RingAttention(torch.autograd.Function):
                 plan.work.skipped_blocks += len(plan.layout.segments(seq_len)) ** 2 - covered
         if out is None:  # every block was EMPTY (e.g. a shard of padding only)
             out, lse = accumulators()
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:  # the backward then sees the FINAL (out, lse), sink included
+            out, lse = apply_sink(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.plan, ctx.scale, ctx.seq_len = plan, scale, seq_len
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         plan: RingPlan = ctx.plan
         q_pos, q_doc = _query_meta(plan, ctx.seq_len, q.device)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -408,6 +451,7 @@ class _RingAttention(torch.autograd.Function):
                     causal=task.kind is BlockKind.CAUSAL,
                     kernel=plan.kernel,
                     grad_dtype=q.dtype if only else None,
+                    softcap=plan.softcap,
                 )
                 dq = _accumulate(dq, dq_p, task.q_rows, q, acc)
                 dk = _accumulate(dk, dk_p, task.k_rows, k_blk, acc)
@@ -423,7 +467,10 @@ class _RingAttention(torch.autograd.Function):
                 break
         if dq is None:
             dq = torch.zeros_like(q, dtype=acc)
-        return dq.to(q.dtype), dk_local.to(k.dtype), dv_local.to(v.dtype), None, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            dsinks = sink_grad(dout, out, lse, sinks).to(sinks.dtype)
+        return dq.to(q.dtype), dk_local.to(k.dtype), dv_local.to(v.dtype), dsinks, None, None
 
 
 def ring_attention(
@@ -432,19 +479,22 @@ def ring_attention(
     v: torch.Tensor,
     plan: RingPlan,
     softmax_scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of this rank's queries over the keys of every rank in the ring.
 
     Args:
         q: ``[B, n, H, D]``; k, v: ``[B, n, H_kv, D]``, this rank's tokens in ``plan.layout`` order.
-        plan: schedule, layout, mask spec, document ids, kernel, work counter.
+        plan: schedule, layout, mask spec, document ids, kernel, softcap, work counter.
         softmax_scale: default ``D ** -0.5``.
+        sinks: None, or ``[H]`` attention-sink logits of these query heads (``ops/merge.apply_sink``).
 
     Returns:
-        ``(out [B, n, H, D] in q.dtype, lse [B, H, n])``; differentiable in q, k, v.
+        ``(out [B, n, H, D] in q.dtype, lse [B, H, n])`` (lse includes the sinks); differentiable in
+        q, k, v and sinks.
     """
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    return _RingAttention.apply(q, k, v, plan, scale)
+    return _RingAttention.apply(q, k, v, sinks, plan, scale)
 
 
 def build_schedule(mesh: Any, kind: str = "p2p", overlap: bool = True) -> Schedule:

@@ -48,7 +48,7 @@ from ds_seqpar.ops.sparse import (
     imbalance_ratio,
 )
 from ds_seqpar.parallel.ring import RingPlan, WorkCounter, ring_attention
-from ds_seqpar.parallel.ulysses import gather_heads, scatter_heads
+from ds_seqpar.parallel.ulysses import gather_heads, local_sinks, scatter_heads
 
 STATS_KEY = "sparse_stats"
 BLOCK_BALANCE_MIN_GAIN = 0.01  # db-SP block moves must lower rho_s by this much to pay for two all-to-alls
@@ -233,6 +233,8 @@ def sparse_attention(
     doc_ids: torch.Tensor | None = None,
     work: WorkCounter | None = None,
     layer: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sparse (vertical-slash) attention of the SP group; called by ``ds_seqpar.attention`` after its checks.
 
@@ -241,9 +243,11 @@ def sparse_attention(
         mesh: the mesh; ``mesh.config.sparse`` holds budgets and balancing.
         schedule: the ring schedule; seq_len: global S.
         layer: layer index, used as the key of ``sparse_stats``.
+        softcap, sinks: as in ``ds_seqpar.attention`` (applied to the attended blocks; the pattern is
+            estimated from the uncapped scores).
 
     Returns:
-        ``out [B, n, H, D]`` in q.dtype; differentiable in q, k, v (the pattern is not).
+        ``out [B, n, H, D]`` in q.dtype; differentiable in q, k, v and sinks (the pattern is not).
     """
     cfg = mesh.config
     sparse_cfg = cfg.sparse
@@ -269,6 +273,7 @@ def sparse_attention(
         q_index = torch.tensor(balance.head_order, device=q.device)
         kv_index = q_index[:: h // h_kv] // (h // h_kv)
         q, k, v = q.index_select(2, q_index), k.index_select(2, kv_index), v.index_select(2, kv_index)
+        sinks = None if sinks is None else sinks.index_select(0, q_index)
         pattern = pattern.heads(balance.head_order)
     u = mesh.coords.ulysses_rank
     ring_layout = balance.layouts[u]
@@ -280,11 +285,12 @@ def sparse_attention(
         "auto",
         work,
         sparse=pattern.heads(balance.groups[u]),
+        softcap=softcap,
     )
     q2, k2, v2 = scatter_heads(q, k, v, heads, mesh)
     ring = (mesh.group("ring"), mesh.coords.ring_rank, mesh.comm_stats)
     q2, k2, v2 = relayout((q2, k2, v2), layout.ring, ring_layout, *ring)
-    out, _ = ring_attention(q2, k2, v2, plan, scale)
+    out, _ = ring_attention(q2, k2, v2, plan, scale, local_sinks(sinks, heads, mesh))
     (out,) = relayout((out,), ring_layout, layout.ring, *ring)
     out = gather_heads(out, heads, mesh)
     if balance.head_order is not None:

@@ -46,3 +46,12 @@ def gather_heads(out: torch.Tensor, heads: HeadPlan, mesh: SeqParMesh) -> torch.
         (out,), (heads.q_counts,), mesh.group("ulysses"), mesh.coords.ulysses_rank, mesh.comm_stats
     )
     return full
+
+
+def local_sinks(sinks: torch.Tensor | None, heads: HeadPlan, mesh: SeqParMesh) -> torch.Tensor | None:
+    """The sink logits ``[h_u]`` of the query heads this Ulysses rank attends after the all-to-all."""
+    if sinks is None:
+        return None
+    me = mesh.coords.ulysses_rank
+    first = sum(heads.q_counts[:me])
+    return sinks[first : first + heads.q_counts[me]]

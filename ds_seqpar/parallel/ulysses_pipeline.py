@@ -30,7 +30,8 @@ from ds_seqpar.comm.all_to_all import HeadPlan, PendingExchange, post_head_to_se
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.parallel.ulysses import gather_kv_heads
 
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# attend(q [B, U·n, h, D], k, v [B, U·n, h_kv, D], sinks [h] | None) -> out [B, U·n, h, D]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -125,9 +126,11 @@ class _PipelinedUlysses(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         me, c = exchange.me, groups.groups
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        sinks_leaf = None if sinks is None else sinks.detach().requires_grad_(needs_grad)
 
         def post_in(j: int) -> PendingExchange:
             counts = (groups.q_counts[j], groups.kv_counts[j], groups.kv_counts[j])
@@ -147,7 +150,9 @@ class _PipelinedUlysses(torch.autograd.Function):
             lo, hi = groups.kv_rows[j][me]
             q_j = q_j.detach().requires_grad_(needs_grad)
             with torch.set_grad_enabled(needs_grad):
-                out_j = attend(q_j, k_blk[:, :, lo:hi], v_blk[:, :, lo:hi])
+                first = groups.q_starts[j][me]  # this rank's query heads in group j (global indices)
+                sinks_j = None if sinks_leaf is None else sinks_leaf[first : first + groups.q_counts[j][me]]
+                out_j = attend(q_j, k_blk[:, :, lo:hi], v_blk[:, :, lo:hi], sinks_j)
             saved.append((q_j, out_j))
             returns.append(
                 exchange.gather(
@@ -156,13 +161,14 @@ class _PipelinedUlysses(torch.autograd.Function):
             )
         for pending_out in returns:
             pending_out.wait()
-        ctx.state = (groups, exchange, saved, kv, q.shape, k.shape, k.dtype)
+        ctx.state = (groups, exchange, saved, kv, q.shape, k.shape, k.dtype, sinks_leaf)
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor):
-        groups, exchange, saved, kv, q_shape, kv_shape, kv_dtype = ctx.state
+        groups, exchange, saved, kv, q_shape, kv_shape, kv_dtype, sinks_leaf = ctx.state
         ctx.state = None
+        dsinks = None if sinks_leaf is None else torch.zeros_like(sinks_leaf)
         c = groups.groups
         dq = dout.new_empty(q_shape)
         dk, dv = (dout.new_empty(kv_shape, dtype=kv_dtype) for _ in range(2))
@@ -181,7 +187,10 @@ class _PipelinedUlysses(torch.autograd.Function):
             q_j, out_j = saved[j]
             source = groups.kv_source[j]
             k_blk, v_blk = kv[source]
-            dq_j, dk_j, dv_j = torch.autograd.grad(out_j, (q_j, k_blk, v_blk), dout_j)
+            leaves = (q_j, k_blk, v_blk) if sinks_leaf is None else (q_j, k_blk, v_blk, sinks_leaf)
+            dq_j, dk_j, dv_j, *dsinks_j = torch.autograd.grad(out_j, leaves, dout_j)
+            if dsinks_j:
+                dsinks += dsinks_j[0]
             if uses[source] == 1:
                 kv_grads[source] = [dk_j, dv_j]
             elif source not in kv_grads:  # several groups read these K/V heads: sum their parts in >= fp32
@@ -201,7 +210,7 @@ class _PipelinedUlysses(torch.autograd.Function):
         saved.clear()
         for pending_back in returns:
             pending_back.wait()
-        return None, None, None, None, dq, dk, dv
+        return None, None, None, None, dq, dk, dv, dsinks
 
 
 def pipelined_ulysses(
@@ -212,6 +221,7 @@ def pipelined_ulysses(
     groups: HeadGroups,
     mesh: SeqParMesh,
     attend: Attend,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ulysses attention with the head exchange pipelined against ``attend`` (ring degree 1).
 
@@ -219,14 +229,16 @@ def pipelined_ulysses(
         q: ``[B, n, H, D]``; k, v: ``[B, n, H_kv, D]``: this rank's n tokens, all heads.
         heads: the head plan of the Ulysses group (K/V replication is applied here, before the exchange).
         groups: ``HeadGroups.build(heads, c)``.
-        attend: ``attend(q [B, U·n, h, D], k, v [B, U·n, h_kv, D]) -> out [B, U·n, h, D]`` over the whole
-            sequence (differentiable; called once per group).
+        attend: ``attend(q [B, U·n, h, D], k, v [B, U·n, h_kv, D], sinks [h] | None) -> out [B, U·n, h, D]``
+            over the whole sequence (differentiable; called once per group).
+        sinks: None, or ``[H]`` attention-sink logits of every query head (not communicated: each
+            group's attend gets the slice of its own heads).
 
     Returns:
-        ``out [B, n, H, D]``; differentiable in q, k, v. Communicates what ``scatter_heads`` and
+        ``out [B, n, H, D]``; differentiable in q, k, v and sinks. Communicates what ``scatter_heads`` and
         ``gather_heads`` do, in ``groups.groups`` all-to-alls per direction.
     """
     k, v = gather_kv_heads(k, v, heads)
     exchange = _Exchange(mesh.group("ulysses"), mesh.coords.ulysses_rank, mesh.comm_stats)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return _PipelinedUlysses.apply(groups, attend, exchange, needs_grad, q, k, v)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+    return _PipelinedUlysses.apply(groups, attend, exchange, needs_grad, q, k, v, sinks)

@@ -20,11 +20,18 @@ import torch
 from ds_seqpar.comm.all_to_all import HeadPlan
 from ds_seqpar.layout import SeqLayout, UspLayout
 from ds_seqpar.mesh import SeqParMesh
-from ds_seqpar.ops.attention import resolve_kernel
+from ds_seqpar.ops.attention import check_softcap, resolve_kernel
 from ds_seqpar.ops.masks import MaskSpec
 from ds_seqpar.parallel.activation import sparse_layer_active
-from ds_seqpar.parallel.ring import RingPlan, WorkCounter, build_schedule, check_qkv, ring_attention
-from ds_seqpar.parallel.ulysses import gather_heads, scatter_heads
+from ds_seqpar.parallel.ring import (
+    RingPlan,
+    WorkCounter,
+    build_schedule,
+    check_qkv,
+    check_sinks,
+    ring_attention,
+)
+from ds_seqpar.parallel.ulysses import gather_heads, local_sinks, scatter_heads
 from ds_seqpar.parallel.ulysses_pipeline import HeadGroups, pipelined_ulysses
 
 DEFAULT_ULYSSES_CHUNKS = 4  # ``ulysses_chunks: "auto"``
@@ -56,9 +63,11 @@ def _check(
     layout: UspLayout,
     positions: torch.Tensor | None,
     doc_ids: torch.Tensor | None,
+    sinks: torch.Tensor | None,
 ) -> int:
     """Validate everything before any collective; return the global length S."""
     check_qkv(q, k, v, "ds_seqpar.attention")
+    check_sinks(sinks, q, "ds_seqpar.attention")
     h = q.shape[2]
     if mesh.ulysses_size > h:
         raise ValueError(
@@ -109,6 +118,8 @@ def attention(
     work: WorkCounter | None = None,
     layer: int | None = None,
     step: int = 0,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over the whole sequence that the SP group shares; the configured algorithm.
 
@@ -119,7 +130,8 @@ def attention(
             layout, schedule, overlap and kernel.
         causal: causal mask in global positions (False = encoder attention).
         softmax_scale: default ``D ** -0.5``.
-        window: sliding window in positions (a query sees the last ``window`` positions), or None.
+        window: sliding window in positions: query i sees key j iff ``0 <= i - j < window`` (causal; the
+            query itself included; non-causal: ``|i - j| < window``), or None.
         positions: optional global positions of this rank's tokens ``[n]`` / ``[B, n]``; checked
             against the layout (catches data sharded another way).
         doc_ids: document id per token of the whole sequence in global order, ``[S]`` or ``[B, S]``
@@ -127,10 +139,15 @@ def attention(
         work: optional counter of the attention work this rank computes.
         layer, step: layer index and training step, for ``attention: "sparse_ring"`` (which layers are
             sparse, dense warm-up, per-layer statistics); other algorithms ignore them.
+        softcap: None, or c > 0: scores become ``c · tanh(score / c)`` before the softmax (Gemma 2's
+            attention logit soft-capping); ``kernel: auto`` picks a kernel that applies it.
+        sinks: None, or ``[H]`` attention-sink logits, one per query head (gpt-oss ``s_aux``): each
+            joins every row's softmax denominator with a zero value; differentiable.
 
     Returns:
-        ``out [B, n, H, D]`` in q.dtype; differentiable in q, k, v. Exact for every algorithm except
-        ``sparse_ring``, which is exact attention under the estimated vertical-slash pattern.
+        ``out [B, n, H, D]`` in q.dtype; differentiable in q, k, v (and sinks). Exact for every
+        algorithm except ``sparse_ring``, which is exact attention under the estimated vertical-slash
+        pattern. A query that sees no key (padding, doc id < 0) outputs 0.
     """
     cfg = mesh.config
     algorithm = "usp" if cfg is None else cfg.attention
@@ -145,7 +162,10 @@ def attention(
             "valid: attention='usp' or ulysses_degree=1"
         )
     layout = input_layout(mesh)
-    seq_len = _check(q, k, v, mesh, layout, positions, doc_ids)
+    seq_len = _check(q, k, v, mesh, layout, positions, doc_ids, sinks)
+    softcap = check_softcap(softcap)
+    kernel = "auto" if cfg is None else cfg.kernel
+    resolve_kernel(kernel, q.device, q.dtype, softcap)  # an unavailable kernel fails here, not mid-collective
     if algorithm == "sparse_ring" and causal and sparse_layer_active(cfg.sparse, layer, step):
         from ds_seqpar.parallel.sparse_ring import sparse_attention  # sparse_ring builds on this module
 
@@ -162,22 +182,30 @@ def attention(
             doc_ids=doc_ids,
             work=work,
             layer=layer,
+            softcap=softcap,
+            sinks=sinks,
         )
-    kernel = "auto" if cfg is None else cfg.kernel
-    resolve_kernel(kernel, q.device, q.dtype)  # an unavailable kernel fails here, not mid-collective
     plan = RingPlan(
-        _schedule(mesh), layout.ring, MaskSpec(causal=causal, window=window), doc_ids, kernel, work
+        _schedule(mesh),
+        layout.ring,
+        MaskSpec(causal=causal, window=window),
+        doc_ids,
+        kernel,
+        work,
+        softcap=softcap,
     )
     heads = HeadPlan.build(q.shape[2], k.shape[2], mesh.ulysses_size)
     groups = _head_groups(mesh, heads)
     if groups is not None:
 
-        def attend(q_g: torch.Tensor, k_g: torch.Tensor, v_g: torch.Tensor) -> torch.Tensor:
-            return ring_attention(q_g, k_g, v_g, plan, softmax_scale)[0]
+        def attend(
+            q_g: torch.Tensor, k_g: torch.Tensor, v_g: torch.Tensor, sinks_g: torch.Tensor | None
+        ) -> torch.Tensor:
+            return ring_attention(q_g, k_g, v_g, plan, softmax_scale, sinks_g)[0]
 
-        return pipelined_ulysses(q, k, v, heads, groups, mesh, attend)
+        return pipelined_ulysses(q, k, v, heads, groups, mesh, attend, sinks)
     q2, k2, v2 = scatter_heads(q, k, v, heads, mesh)
-    out, _ = ring_attention(q2, k2, v2, plan, softmax_scale)
+    out, _ = ring_attention(q2, k2, v2, plan, softmax_scale, local_sinks(sinks, heads, mesh))
     return gather_heads(out, heads, mesh)
 
 
