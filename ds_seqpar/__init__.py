@@ -5,6 +5,7 @@ Public API (more arrives with the attention, data and engine modules):
 * :func:`load_config` / :class:`SequenceParallelConfig`: the ``"sequence_parallel"`` section.
 * :class:`SeqParMesh` / :func:`plan_mesh`: process groups and coordinates (world = dp x sp).
 * :class:`CommStats`: bytes and messages per collective kind, per rank.
+* :class:`LayoutError`: a sequence length or shard that the token layout cannot split (a ValueError).
 * :func:`attention`: exact attention over the SP group (USP / Ulysses / ring, per the config);
   :func:`input_layout`: the token layout the data side shards with; :func:`sparse_stats`: per-layer
   imbalance ratio and density of ``attention: "sparse_ring"``; :func:`linear_attention`: linear
@@ -23,6 +24,7 @@ from ds_seqpar.integrations.transformers import (
     disable_sequence_parallel,
     enable_sequence_parallel,
 )
+from ds_seqpar.layout import LayoutError
 from ds_seqpar.loss import sp_causal_lm_loss
 from ds_seqpar.mesh import DeepSpeedMPU, MeshCoords, MeshPlan, SeqParMesh, plan_mesh
 from ds_seqpar.parallel.linear_scan import linear_attention
@@ -37,6 +39,7 @@ __all__ = [
     "CommRegion",
     "CommStats",
     "DeepSpeedMPU",
+    "LayoutError",
     "MeshCoords",
     "MeshPlan",
     "SeqParCausalLM",

@@ -48,6 +48,18 @@ def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
     elif kind == "qwen3":
         cfg = Qwen3Config(num_attention_heads=8, num_key_value_heads=2, head_dim=8, **common)
         cls = Qwen3ForCausalLM
+    elif kind == "gemma3_vlm":  # composite: Gemma 3 language model under text_config + a vision tower
+        cfg = transformers.Gemma3Config(
+            text_config=dict(
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=12, **common
+            ),
+            vision_config=dict(
+                hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                patch_size=14,
+            ),
+            mm_tokens_per_image=4, image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2,
+        )  # fmt: skip
+        cls = transformers.Gemma3ForConditionalGeneration
     elif kind in FEATURE_MODELS:
         cls = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[transformers.AutoConfig.for_model(kind).__class__]
         extra = dict(head_dim=16, **FEATURE_MODELS[kind])
@@ -62,7 +74,7 @@ def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
         setattr(cfg, key, value)
     torch.manual_seed(seed)
     model = cls(cfg).float()
-    model.set_attn_implementation("eager" if kind in FEATURE_MODELS else "sdpa")
+    model.set_attn_implementation("eager" if kind in FEATURE_MODELS or kind == "gemma3_vlm" else "sdpa")
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(".sinks"):
@@ -71,9 +83,10 @@ def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
 
 
 def batches(num: int, batch_size: int, seq_len: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
-    """``num`` random token batches ``{"input_ids": [batch_size, seq_len]}``."""
+    """``num`` random token batches ``{"input_ids": [batch_size, seq_len]}`` (ids below VOCAB - 3, so
+    no image token of the multimodal model appears)."""
     g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(0, VOCAB, (batch_size, seq_len), generator=g)} for _ in range(num)]
+    return [{"input_ids": torch.randint(0, VOCAB - 3, (batch_size, seq_len), generator=g)} for _ in range(num)]
 
 
 def reference_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

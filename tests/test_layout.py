@@ -95,3 +95,11 @@ def test_packed_document_metadata():
         doc_ids_from_cu_seqlens([0, 3, 3, 4], 4)
     with pytest.raises(LayoutError, match=r"cu_seqlens ends at 9, beyond the sequence length 8"):
         doc_ids_from_cu_seqlens([0, 9], 8)
+
+
+def test_layout_error_is_public_and_a_value_error():
+    import ds_seqpar
+
+    assert ds_seqpar.LayoutError is LayoutError and issubclass(LayoutError, ValueError)
+    with pytest.raises(ds_seqpar.LayoutError, match=r"sequence length 6 .* pad it to 8"):
+        SeqLayout("zigzag", 2).check_length(6)
