@@ -1,0 +1,207 @@
+"""Every causal-LM type of the installed transformers under ds_seqpar: exact, refused, or skipped.
+
+For each model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` a tiny random model is built from its
+config (``benchmarks/tiny_configs.py``: 2 layers, hidden 64, 4 heads / 2 K/V heads, sliding windows of
+8 tokens), and on 4 gloo ranks (U 2 x R 2, zigzag) one forward and backward of a 2 x 64 batch runs
+twice: the plain model in one process (its own loss from ``labels``) and ``SeqParCausalLM`` (the
+SP-group loss; every parameter's gradient summed over the SP ranks). Each type ends as
+
+    exact      loss and every gradient within 1e-5 relative of the plain model
+    refused    ds_seqpar raised, naming what it cannot honour (before any collective)
+    skipped    the tiny plain model could not be built or run on text (the reason)
+    mismatch   anything else that ran: a silent wrong result, which fails the sweep
+    error      ds_seqpar failed with an unexpected exception (not silent; listed to be fixed)
+
+Usage::
+
+    python -m benchmarks.model_sweep                      # all types -> docs/models.md + results JSON
+    python -m benchmarks.model_sweep llama gemma2 --no-write
+
+Exit status 1 if any type is a mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+TOLERANCE = 1e-5
+WORLD, ULYSSES, LAYOUT = 4, 2, "zigzag"
+BATCH, SEQ_LEN = 2, 64
+REFUSALS = (ValueError, TypeError, NotImplementedError)  # what ds_seqpar raises on purpose
+ROOT = Path(__file__).resolve().parents[1]
+
+_MESH: dict = {}
+
+
+def _mesh():
+    from ds_seqpar import SeqParMesh, SequenceParallelConfig
+
+    if "mesh" not in _MESH:
+        world = dist.get_world_size()
+        mesh = SeqParMesh.build(world, ULYSSES)
+        mesh.config = SequenceParallelConfig(size=world, ulysses_degree=ULYSSES, ring={"layout": LAYOUT})
+        _MESH["mesh"] = mesh
+    return _MESH["mesh"]
+
+
+def _first_line(exc: BaseException, limit: int = 240) -> str:
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+def _reference(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The plain model's own loss (labels = ids), or the token-mean cross-entropy of its logits."""
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    if getattr(out, "loss", None) is not None:
+        return out.loss
+    logits = out.logits[:, :-1].float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def sweep_one(model_type: str, seed: int = 0) -> dict:
+    """On every rank: build, run the plain model and the SP model, compare (see the module docstring)."""
+    from benchmarks.tiny_configs import TinyBuildError, build_tiny_model
+    from ds_seqpar import SeqParCausalLM, shard_batch
+
+    mesh = _mesh()
+    try:
+        ref = build_tiny_model(model_type, seed=seed)
+        vocab = ref.get_output_embeddings().weight.shape[0] if ref.get_output_embeddings() is not None else 96
+        ids = torch.randint(0, min(vocab, 96), (BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(1))
+        model = copy.deepcopy(ref)
+        ref_loss = _reference(ref, ids)
+        ref_loss.backward()
+    except (TinyBuildError, Exception) as exc:  # the plain tiny model itself does not run on text
+        return {"status": "skipped", "detail": _first_line(exc)}
+    try:
+        lm = SeqParCausalLM(model, mesh)
+        loss = lm(**shard_batch({"input_ids": ids}, mesh))
+        loss.backward()
+    except REFUSALS as exc:
+        return {"status": "refused", "detail": _first_line(exc)}
+    except Exception as exc:
+        return {"status": "error", "detail": f"{type(exc).__name__}: {_first_line(exc)}"}
+    loss_err = abs(loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-30)
+    worst, where = 0.0, ""
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters(), strict=True):
+        grad = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(grad, group=mesh.group("sp"))  # SP ranks hold partial gradients of one sample
+        err = grad.abs().max().item() if p_ref.grad is None else _rel(grad, p_ref.grad)
+        if err > worst:
+            worst, where = err, name
+    exact = loss_err <= TOLERANCE and worst <= TOLERANCE
+    detail = f"loss {loss_err:.1e}, gradients {worst:.1e}" + ("" if exact else f" (worst: {where})")
+    return {"status": "exact" if exact else "mismatch", "detail": detail}
+
+
+def sweep_many(model_types: list[str]) -> list[dict]:
+    """``sweep_one`` for each type on this rank; rank 0's view plus agreement of the ranks' statuses."""
+    out = []
+    for t in model_types:
+        t0 = time.perf_counter()
+        res = sweep_one(t)
+        res["seconds"] = round(time.perf_counter() - t0, 2)
+        statuses = [None] * dist.get_world_size()
+        dist.all_gather_object(statuses, res["status"])
+        if len(set(statuses)) > 1:  # ranks disagree: report the worst
+            order = ["mismatch", "error", "refused", "skipped", "exact"]
+            res = {**res, "status": min(statuses, key=order.index), "detail": f"ranks disagree: {statuses}"}
+        out.append({"type": t, **res})
+    return out
+
+
+def _versions() -> dict[str, str]:
+    import deepspeed
+    import transformers
+
+    import ds_seqpar
+
+    return {
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "ds_seqpar": ds_seqpar.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def write_markdown(rows: list[dict], path: Path, seconds: float) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as NAMES
+
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("exact", "refused", "skipped", "mismatch", "error")}
+    v = _versions()
+    lines = [
+        "# Model families under ds_seqpar",
+        "",
+        "Generated by `python -m benchmarks.model_sweep` (do not edit by hand): every model type of",
+        f"transformers {v['transformers']}'s causal-LM auto mapping, as a tiny random model (2 layers, hidden 64,",
+        f"4 heads / 2 K/V heads, sliding windows of 8 tokens), trained one step on a {BATCH} x {SEQ_LEN} batch in",
+        f"one process and under ds_seqpar on {WORLD} gloo ranks (U {ULYSSES} x R {WORLD // ULYSSES}, {LAYOUT}).",
+        f"`exact`: loss and every parameter gradient within {TOLERANCE:g} relative; `refused`: ds_seqpar raised",
+        "before any collective, naming what it cannot honour; `skipped`: the tiny plain model itself could",
+        "not be built or run on text-only input; `mismatch` (a silently wrong result) fails the sweep.",
+        "",
+        f"torch {v['torch']}, deepspeed {v['deepspeed']}, ds_seqpar {v['ds_seqpar']}, Python {v['python']};"
+        f" {len(rows)} types in {seconds:.0f} s.",
+        "",
+        "| result | types |",
+        "|---|---|",
+        *(f"| {s} | {n} |" for s, n in counts.items()),
+        "",
+        "| type | class | result | detail |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        detail = r["detail"].replace("|", "\\|")
+        lines.append(f"| `{r['type']}` | `{NAMES.get(r['type'], '?')}` | {r['status']} | {detail} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("types", nargs="*", help="model types (default: every causal-LM type)")
+    parser.add_argument("--no-write", action="store_true", help="print only; do not write docs/models.md")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "models.md"))
+    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "models.json"))
+    args = parser.parse_args(argv)
+
+    from benchmarks.tiny_configs import CAUSAL_LM_TYPES
+    from tests.harness import DistPool
+
+    types = args.types or CAUSAL_LM_TYPES
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    start = time.perf_counter()
+    rows: list[dict] = []
+    with DistPool(WORLD, timeout=300) as pool:
+        for i in range(0, len(types), 8):  # a few types per task: progress output, bounded failures
+            batch = types[i : i + 8]
+            rows += pool.run(sweep_many, batch)[0]
+            for r in rows[-len(batch) :]:
+                print(f"{r['type']:<28} {r['status']:<9} {r['detail']}", flush=True)
+    seconds = time.perf_counter() - start
+    bad = [r for r in rows if r["status"] == "mismatch"]
+    summary = {s: sum(r["status"] == s for r in rows) for s in ("exact", "refused", "skipped", "mismatch", "error")}
+    print(f"model_sweep: {summary} in {seconds:.0f} s", flush=True)
+    if not args.no_write:
+        write_markdown(rows, Path(args.out), seconds)
+        Path(args.json).write_text(json.dumps({"versions": _versions(), "rows": rows}, indent=1) + "\n")
+        print(f"model_sweep: wrote {args.out} and {args.json}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

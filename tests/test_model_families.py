@@ -1,0 +1,49 @@
+"""HF causal-LM families under ds_seqpar vs the plain model: exact, or refused by name (never silently wrong).
+
+The default suite runs a fixed subset that covers every mechanism ds_seqpar honours or refuses:
+plain attention, attention soft-capping and a final logit soft-cap, logit divisors and scales,
+attention sinks, sliding windows, per-layer attention types, parallel blocks, MoE routing, a
+composite (multimodal) model on text, and hybrids with recurrent layers (refused). The slow suite
+runs ``benchmarks/model_sweep.py`` over every causal-LM type of the installed transformers.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.model_sweep import sweep_many
+
+EXPECTED = {
+    "llama": "exact",
+    "gemma2": "exact",  # attention softcap + final logit softcap, sliding layers
+    "gemma3_text": "exact",  # sliding / full layer types
+    "gemma3": "exact",  # composite: language model under text_config, vision tower untouched
+    "granite": "exact",  # logits_scaling (divisor), residual / embedding multipliers
+    "cohere": "exact",  # logit_scale, parallel attention + MLP block
+    "gpt_oss": "exact",  # attention sinks (s_aux), MoE
+    "phi3": "exact",
+    "gpt_neox": "exact",  # partial rotary, parallel residual
+    "qwen2": "exact",
+    "olmo2": "exact",
+    "mixtral": "exact",  # MoE
+    "qwen3_next": "refused",  # gated DeltaNet layers
+    "jamba": "refused",  # Mamba layers
+}
+
+
+def test_family_subset_is_exact_or_refused(dist_pool):
+    rows = dist_pool(4).run(sweep_many, list(EXPECTED))
+    for rank_rows in rows:
+        got = {r["type"]: (r["status"], r["detail"]) for r in rank_rows}
+        for model_type, status in EXPECTED.items():
+            assert got[model_type][0] == status, (model_type, got[model_type])
+
+
+@pytest.mark.slow
+def test_every_causal_lm_type_has_no_silent_mismatch(dist_pool):
+    from benchmarks.tiny_configs import CAUSAL_LM_TYPES
+
+    rows = dist_pool(4).run(sweep_many, CAUSAL_LM_TYPES, timeout=3600)[0]
+    mismatches = [r for r in rows if r["status"] == "mismatch"]
+    assert not mismatches, mismatches
+    assert sum(r["status"] == "exact" for r in rows) >= 100, [(r["type"], r["status"]) for r in rows]
