@@ -5,6 +5,7 @@ Public API (more arrives with the attention, data and engine modules):
 * :func:`load_config` / :class:`SequenceParallelConfig`: the ``"sequence_parallel"`` section.
 * :class:`SeqParMesh` / :func:`plan_mesh`: process groups and coordinates (world = dp x sp).
 * :class:`CommStats`: bytes and messages per collective kind, per rank.
+* :class:`UnsupportedModelError`: a model feature ds_seqpar cannot honour (named; see docs/models.md).
 * :class:`LayoutError`: a sequence length or shard that the token layout cannot split (a ValueError).
 * :func:`attention`: exact attention over the SP group (USP / Ulysses / ring, per the config);
   :func:`input_layout`: the token layout the data side shards with; :func:`sparse_stats`: per-layer
@@ -19,6 +20,7 @@ from ds_seqpar.comm.stats import CommRegion, CommStats
 from ds_seqpar.config import SeqParConfigError, SequenceParallelConfig, load_config, parse_section
 from ds_seqpar.data import SeqParCollator, seqpar_dataloader, shard_batch
 from ds_seqpar.integrations.deepspeed import initialize, install_deepspeed_guard, sequence_parallel_scope
+from ds_seqpar.integrations.hf_model import UnsupportedModelError
 from ds_seqpar.integrations.transformers import (
     SeqParCausalLM,
     disable_sequence_parallel,
@@ -49,6 +51,7 @@ __all__ = [
     "SeqParTrainer",
     "SequenceParallelConfig",
     "SparseLayerStats",
+    "UnsupportedModelError",
     "__version__",
     "attention",
     "disable_sequence_parallel",

@@ -86,7 +86,9 @@ def batches(num: int, batch_size: int, seq_len: int, seed: int = 1) -> list[dict
     """``num`` random token batches ``{"input_ids": [batch_size, seq_len]}`` (ids below VOCAB - 3, so
     no image token of the multimodal model appears)."""
     g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(0, VOCAB - 3, (batch_size, seq_len), generator=g)} for _ in range(num)]
+    return [
+        {"input_ids": torch.randint(0, VOCAB - 3, (batch_size, seq_len), generator=g)} for _ in range(num)
+    ]
 
 
 def reference_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -205,7 +205,9 @@ def lora_model(kind: str) -> torch.nn.Module:
 
     model = get_peft_model(
         tiny_model(kind),
-        LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+        LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
+        ),
     )
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -3,7 +3,10 @@
 The default suite runs a fixed subset that covers every mechanism ds_seqpar honours or refuses:
 plain attention, attention soft-capping and a final logit soft-cap, logit divisors and scales,
 attention sinks, sliding windows, per-layer attention types, parallel blocks, MoE routing, a
-composite (multimodal) model on text, and hybrids with recurrent layers (refused). The slow suite
+composite (multimodal) model on text, MLA head dims, nested decoders, layers that do not forward
+their keyword arguments; and every kind of refusal: recurrent layers, convolutions, positions
+derived outside ``position_ids``, another loss convention, chunked attention, a window that only
+lives in a mask. The slow suite
 runs ``benchmarks/model_sweep.py`` over every causal-LM type of the installed transformers.
 """
 
@@ -26,8 +29,17 @@ EXPECTED = {
     "qwen2": "exact",
     "olmo2": "exact",
     "mixtral": "exact",  # MoE
+    "deepseek_v3": "exact",  # MLA: value head dim != query/key head dim (zero-padded, exact)
+    "opt": "exact",  # decoder nested one level down (model.decoder): the logits stand-in follows the path
+    "stablelm": "exact",  # layers do not forward **kwargs to the attention: the context of the forward
+    "diffllama": "exact",  # two attention calls per layer
     "qwen3_next": "refused",  # gated DeltaNet layers
     "jamba": "refused",  # Mamba layers
+    "zaya": "refused",  # a causal Conv1d inside the attention's projections
+    "roberta": "refused",  # positions derived from padding (probe: a shard differs from the whole)
+    "whisper": "refused",  # its loss does not shift the labels
+    "llama4": "refused",  # chunked attention (a mask ds_seqpar does not receive)
+    "phimoe": "refused",  # sliding window only in the mask, never passed to the attention
 }
 
 
@@ -46,4 +58,4 @@ def test_every_causal_lm_type_has_no_silent_mismatch(dist_pool):
     rows = dist_pool(4).run(sweep_many, CAUSAL_LM_TYPES, timeout=3600)[0]
     mismatches = [r for r in rows if r["status"] == "mismatch"]
     assert not mismatches, mismatches
-    assert sum(r["status"] == "exact" for r in rows) >= 100, [(r["type"], r["status"]) for r in rows]
+    assert sum(r["status"] == "exact" for r in rows) >= 110, [(r["type"], r["status"]) for r in rows]

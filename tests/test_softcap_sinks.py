@@ -190,7 +190,9 @@ def test_sink_fold_matches_reference():
 
 def test_named_kernel_without_softcap_is_refused():
     q = torch.zeros(1, 4, 2, D)
-    with pytest.raises(ValueError, match=r"kernel='sdpa' cannot apply softcap=2.0 .*valid here .*: auto, torch"):
+    with pytest.raises(
+        ValueError, match=r"kernel='sdpa' cannot apply softcap=2.0 .*valid here .*: auto, torch"
+    ):
         block_attn_forward(q, q, q, softcap=2.0, kernel="sdpa")
     with pytest.raises(ValueError, match=r"softcap=-1 is invalid: use a number > 0"):
         block_attn_forward(q, q, q, softcap=-1)

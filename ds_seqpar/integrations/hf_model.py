@@ -16,9 +16,16 @@ model, the vision tower is never called, and any image or other non-text input i
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
+
+
+class UnsupportedModelError(ValueError, TypeError, RuntimeError):
+    """A model (family) feature that ds_seqpar cannot honour under sequence parallelism; the message
+    names the module, the feature and what to do. Raised before the model's attention communicates,
+    or, for checks that need one forward (which layers call the attention), identically on every rank."""
 
 
 def unwrap_hf_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -34,42 +41,209 @@ def unwrap_hf_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
     """The module that maps token ids to final hidden states (the language model of composite models)."""
+    from transformers import PreTrainedModel
+
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if decoder is None or decoder is model:
+    if not isinstance(decoder, PreTrainedModel) or decoder is model:  # e.g. an LM head named "decoder"
         decoder = getattr(model, "base_model", None)
+    if decoder is None or decoder is model:  # e.g. a base_model_prefix that names no attribute
+        inner = [m for m in model.children() if isinstance(m, PreTrainedModel)]
+        decoder = inner[0] if len(inner) == 1 else None
     if decoder is None or decoder is model:
-        raise TypeError(
+        raise UnsupportedModelError(
             f"{type(model).__name__} has no separate decoder module (get_decoder() / base_model); ds_seqpar "
             "runs the decoder over each rank's tokens and the model's own head on the result"
         )
     return decoder
 
 
-def refuse_unhonoured_features(model: torch.nn.Module) -> None:
+def text_configs(model: torch.nn.Module) -> list[Any]:
+    """The model's config and, for composite models, its nested text config."""
+    return [c for c in (model.config, getattr(model.config, "text_config", None)) if c is not None]
+
+
+def refuse_unhonoured_features(model: torch.nn.Module, decoder: torch.nn.Module) -> None:
     """Model-level features the SP loss would silently drop: raise naming them (before any collective)."""
     name = type(model).__name__
-    configs = [model.config, getattr(model.config, "text_config", None)]
-    for config in (c for c in configs if c is not None):
+    for config in text_configs(model):
+        layer_types = [str(t) for t in getattr(config, "layer_types", None) or []]
+        chunk = getattr(config, "attention_chunk_size", None)
+        if chunk and (not layer_types or any("chunk" in t for t in layer_types)):
+            raise UnsupportedModelError(
+                f"{name}: config.attention_chunk_size={chunk} (chunked attention, e.g. Llama 4) is built into a mask "
+                "that ds_seqpar does not receive; this model cannot run under ds_seqpar"
+            )
+        if getattr(config, "index_topk", None):
+            raise UnsupportedModelError(
+                f"{name}: config.index_topk={config.index_topk} selects keys per query with a learned indexer "
+                "(DeepSeek sparse attention), which ds_seqpar does not split over the sequence; this model cannot "
+                "run under ds_seqpar"
+            )
         if getattr(config, "output_router_logits", False):
             coef = getattr(config, "router_aux_loss_coef", None)
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"{name}: config.output_router_logits=True adds the MoE load-balancing loss (router_aux_loss_coef="
                 f"{coef}) to the model's loss, which ds_seqpar's sequence-parallel loss does not compute; set "
                 "model.config.output_router_logits=False (the router still routes every token the same way)"
             )
 
 
-class _HiddenStates(torch.nn.Module):
-    """Stands in for the decoder inside the model's forward: returns the hidden states it was given."""
+def expected_window(model: torch.nn.Module) -> int | None:
+    """The sliding window the config asks some layers to use (None: no sliding layer).
 
-    def __init__(self, hidden: torch.Tensor) -> None:
+    A family that builds its sliding-window MASK but does not pass ``sliding_window`` to the attention
+    would silently lose the window under ds_seqpar (which receives no mask); ``SeqParCausalLM`` checks
+    after the first forward that the attention saw a window when the config promises one.
+    """
+    for config in text_configs(model):
+        window = getattr(config, "sliding_window", None)
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            continue
+        if getattr(config, "use_sliding_window", True) is False:
+            continue
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is not None and not any("sliding" in str(t) for t in layer_types):
+            continue
+        return window
+    return None
+
+
+PROBE_ATTENTION = "ds_seqpar_probe"
+PROBE_TOKENS = 8
+
+
+def _token_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """A probe attention in which every token attends only to itself: out = its value ``[B, S, H, D_v]``."""
+    group = query.shape[1] // value.shape[1]
+    return value.repeat_interleave(group, dim=1).transpose(1, 2).contiguous(), None
+
+
+def check_token_locality(model: torch.nn.Module, decoder: torch.nn.Module) -> None:
+    """One process, before any collective: everything but the attention must treat a token the same way
+    in a shard as in the whole sequence, given its global position.
+
+    With an attention in which each token sees only itself, the decoder runs on 8 probe tokens with
+    its default positions, and on their last 4 with ``position_ids = 4..7`` (what a rank holding that
+    shard passes); the outputs of those 4 tokens must agree. They do not when the family derives
+    positions itself (RoBERTa's padding offset, learned positions that ignore ``position_ids``) or mixes
+    tokens outside the attention (a convolution, a token shift): refused by name. The model's own
+    loss on the probe must also be the next-token cross-entropy of its logits (Whisper's decoder, for
+    one, does not shift its labels).
+
+    Skipped when the parameters are not materialised (meta device, ZeRO-3 partitions).
+    """
+    from transformers import AttentionInterface
+
+    convs = _sequence_convs(decoder)
+    params = list(itertools.islice(model.parameters(), 4))
+    if not params or any(p.device.type == "meta" or hasattr(p, "ds_id") for p in params):
+        for name, conv in convs.items():  # no probe: any sequence convolution of the decoder refuses
+            _refuse_conv(model, decoder, name, conv)
+        return
+    called: list[str] = []
+    hooks = [
+        conv.register_forward_pre_hook(lambda *_, name=name: called.append(name))
+        for name, conv in convs.items()
+    ]
+    special: set[int] = set()
+    for config in text_configs(model):
+        for t in ("pad", "bos", "eos"):
+            value = getattr(config, f"{t}_token_id", None)
+            special.update(value if isinstance(value, list | tuple) else [value])
+    vocab = getattr(model.get_input_embeddings(), "num_embeddings", 64)
+    tokens = [t for t in range(3, min(vocab, 64)) if t not in special][:PROBE_TOKENS]
+    ids = torch.tensor([tokens], device=params[0].device)
+    half = len(tokens) // 2
+    AttentionInterface.register(PROBE_ATTENTION, _token_attention)
+    original, was_training = model.config._attn_implementation, model.training
+    model.set_attn_implementation(PROBE_ATTENTION)
+    model.eval()
+    try:
+        with torch.no_grad():
+            whole = decoder(input_ids=ids, use_cache=False)[0][:, half:]
+            positions = torch.arange(half, len(tokens), device=ids.device)[None]
+            shard = decoder(input_ids=ids[:, half:], position_ids=positions, use_cache=False)[0]
+            out = model(input_ids=ids, labels=ids, use_cache=False)
+    except Exception as exc:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} failed on a probe of {len(tokens)} tokens and a shard of them "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); it cannot run under ds_seqpar"
+        ) from exc
+    finally:
+        model.set_attn_implementation(original)
+        model.train(was_training)
+        for hook in hooks:
+            hook.remove()
+    if called:  # a convolution on the text path (a media encoder's is never called on text)
+        _refuse_conv(model, decoder, called[0], convs[called[0]])
+    tol = 1e-4 if whole.dtype in (torch.float32, torch.float64) else 5e-2
+    _check_next_token_loss(model, out, ids, tol)
+    err = ((whole.double() - shard.double()).norm() / whole.double().norm().clamp(min=1e-30)).item()
+    if not err <= tol:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} treats a token differently in a shard of the sequence than in the whole "
+            f"sequence, outside the attention (relative difference {err:.1e} with position_ids given): it derives "
+            "positions itself (e.g. RoBERTa's padding offset, learned positions that ignore position_ids) or mixes "
+            "tokens outside the attention (a convolution, a token shift); it cannot run under ds_seqpar"
+        )
+
+
+def _sequence_convs(decoder: torch.nn.Module) -> dict[str, torch.nn.Conv1d]:
+    """Conv1d modules with a kernel longer than one token (they mix neighbouring tokens)."""
+    return {
+        name: m
+        for name, m in decoder.named_modules()
+        if isinstance(m, torch.nn.Conv1d) and m.kernel_size[0] > 1
+    }
+
+
+def _refuse_conv(model: torch.nn.Module, decoder: torch.nn.Module, name: str, conv: torch.nn.Conv1d) -> None:
+    raise UnsupportedModelError(
+        f"{type(model).__name__}: {type(decoder).__name__}.{name} is a Conv1d over the sequence (kernel "
+        f"{conv.kernel_size[0]}); its first outputs on each rank would need the previous rank's last tokens, which "
+        "ds_seqpar does not exchange: this model cannot run under ds_seqpar"
+    )
+
+
+def _check_next_token_loss(model: torch.nn.Module, out: Any, ids: torch.Tensor, tol: float) -> None:
+    """The model's own loss for ``labels = input_ids`` must be the token-mean next-token cross-entropy of
+    its logits (what ds_seqpar computes); otherwise its loss has another convention or extra terms."""
+    loss, logits = getattr(out, "loss", None), getattr(out, "logits", None)
+    if loss is None or logits is None:
+        return
+    logits = logits[:, :-1].float()
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    if not abs(loss.item() - ce.item()) <= tol * max(abs(ce.item()), 1e-30):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}'s own loss for labels = input_ids ({loss.item():.6g}) is not the next-token "
+            f"cross-entropy of its logits ({ce.item():.6g}): it shifts labels differently or adds terms, which "
+            "ds_seqpar's sequence-parallel loss does not reproduce; this model cannot run under ds_seqpar"
+        )
+
+
+class _StandIn(torch.nn.Module):
+    """Stands in for a module on the path from the model to its decoder inside the model's forward:
+    calling it returns the given hidden states; the next module on the path is another stand-in,
+    every other attribute is the original module's."""
+
+    def __init__(self, original: torch.nn.Module, hidden: torch.Tensor, path: list[str], calls: list) -> None:
         super().__init__()
-        self.hidden = hidden
-        self.called = False
+        inner = None
+        if path:
+            inner = _StandIn(original._modules[path[0]], hidden, path[1:], calls)
+        self.__dict__.update(_original=original, _hidden=hidden, _next=(path[0] if path else None, inner))
+        self.__dict__["_calls"] = calls
+
+    def __getattr__(self, name: str) -> Any:
+        state = self.__dict__
+        if name == state["_next"][0]:
+            return state["_next"][1]
+        return getattr(state["_original"], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> _DecoderOutput:
-        self.called = True
-        return _DecoderOutput(self.hidden)
+        self.__dict__["_calls"].append(True)
+        return _DecoderOutput(self.__dict__["_hidden"])
 
 
 class _DecoderOutput:
@@ -106,29 +280,28 @@ class ModelLogits:
 
     def __init__(self, model: torch.nn.Module, decoder: torch.nn.Module) -> None:
         self.model = model
-        self.slot = next(
-            (name for name, child in model.named_children() if any(m is decoder for m in child.modules())),
-            None,
-        )
-        if self.slot is None:
-            raise TypeError(
+        names = {id(m): name for name, m in model.named_modules()}
+        if id(decoder) not in names or decoder is model:
+            raise UnsupportedModelError(
                 f"{type(model).__name__}: its decoder {type(decoder).__name__} is not one of its submodules; "
                 "ds_seqpar cannot run the model's own head on sequence-parallel hidden states"
             )
+        self.path = names[id(decoder)].split(".")  # model -> ... -> decoder, e.g. ["model", "decoder"]
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        stand_in = _HiddenStates(hidden)
-        original = self.model._modules[self.slot]
-        self.model._modules[self.slot] = stand_in
+        calls: list = []
+        slot = self.path[0]
+        original = self.model._modules[slot]
+        self.model._modules[slot] = _StandIn(original, hidden, self.path[1:], calls)
         try:
             ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
             out = self.model(input_ids=ids, use_cache=False)
         finally:
-            self.model._modules[self.slot] = original
+            self.model._modules[slot] = original
         logits = out.logits if hasattr(out, "logits") else out[0]
-        if not stand_in.called or logits is None or tuple(logits.shape[:2]) != tuple(hidden.shape[:2]):
-            raise RuntimeError(
+        if not calls or logits is None or tuple(logits.shape[:2]) != tuple(hidden.shape[:2]):
+            raise UnsupportedModelError(
                 f"{type(self.model).__name__}.forward did not turn the hidden states {tuple(hidden.shape)} into "
-                f"logits through its '{self.slot}' submodule; ds_seqpar cannot reproduce this model's logits"
+                f"logits through its '{'.'.join(self.path)}' submodule; ds_seqpar cannot reproduce this model's logits"
             )
         return logits

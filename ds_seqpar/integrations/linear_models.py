@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from ds_seqpar.integrations.hf_model import UnsupportedModelError
+
 LINEAR_CLASSES = ("MiniMaxLightningAttention",)
 UNSUPPORTED_LINEAR = (
     "GatedDeltaNet",
@@ -44,10 +46,10 @@ def _lightning_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """``MiniMaxLightningAttention.forward`` with the recurrence run by ``ds_seqpar.linear_attention``."""
-    from ds_seqpar.integrations.transformers import CONTEXT_KEY, SeqParContext
+    from ds_seqpar.integrations.transformers import SeqParContext, current_context
     from ds_seqpar.parallel.linear_scan import linear_attention
 
-    ctx = kwargs.get(CONTEXT_KEY)
+    ctx = current_context(kwargs)
     name = type(self).__name__
     if not isinstance(ctx, SeqParContext):
         raise RuntimeError(
@@ -72,8 +74,19 @@ def _lightning_forward(
     out = linear_attention(q, k, v, mesh=ctx.mesh, log_decay=-self.slope_rate.view(h).to(q.dtype))
     out = self.norm(out.reshape(b, n, h * d))
     out = torch.sigmoid(self.output_gate(hidden_states)) * out
-    ctx.calls += 1
+    ctx.record(self)
     return self.out_proj(out), None
+
+
+def refuse_recurrent_layers(model: torch.nn.Module) -> None:
+    """Raise ``UnsupportedModelError`` naming the first recurrent layer kind ds_seqpar cannot split."""
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if cls not in LINEAR_CLASSES and any(cls.endswith(bad) for bad in UNSUPPORTED_LINEAR):
+            raise UnsupportedModelError(
+                f"{type(model).__name__}.{name} is a {cls}: a recurrent layer ds_seqpar cannot split over the "
+                "sequence (supported: diagonal-decay linear attention, i.e. MiniMax Lightning attention)"
+            )
 
 
 def route_linear_layers(model: torch.nn.Module) -> int:
@@ -82,18 +95,18 @@ def route_linear_layers(model: torch.nn.Module) -> int:
     Returns the number of routed layers. Raises a ``TypeError`` naming the module when the model has
     a linear/recurrent layer kind ds_seqpar cannot split (delta rule, Mamba, convolution, RWKV).
     """
+    refuse_recurrent_layers(model)
     routed = 0
-    for name, module in model.named_modules():
-        cls = type(module).__name__
-        if cls in LINEAR_CLASSES:
+    for module in model.modules():
+        if type(module).__name__ in LINEAR_CLASSES:
             module.forward = types.MethodType(_lightning_forward, module)
             routed += 1
-        elif any(cls.endswith(bad) for bad in UNSUPPORTED_LINEAR):
-            raise TypeError(
-                f"{type(model).__name__}.{name} is a {cls}: a recurrent layer ds_seqpar cannot split over the "
-                "sequence (supported: diagonal-decay linear attention, i.e. MiniMax Lightning attention)"
-            )
     return routed
+
+
+def has_routed_layers(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has linear-attention layers that ``route_linear_layers`` routes."""
+    return any(type(m).__name__ in LINEAR_CLASSES for m in model.modules())
 
 
 def unroute_linear_layers(model: torch.nn.Module) -> None:

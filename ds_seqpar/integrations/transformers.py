@@ -19,6 +19,7 @@ Per-batch state travels explicitly in the forward kwargs as ``ds_seqpar_context=
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,11 +27,19 @@ import torch
 
 from ds_seqpar.integrations.hf_model import (
     ModelLogits,
+    UnsupportedModelError,
+    check_token_locality,
     decoder_of,
+    expected_window,
     refuse_unhonoured_features,
     unwrap_hf_model,
 )
-from ds_seqpar.integrations.linear_models import route_linear_layers, unroute_linear_layers
+from ds_seqpar.integrations.linear_models import (
+    has_routed_layers,
+    refuse_recurrent_layers,
+    route_linear_layers,
+    unroute_linear_layers,
+)
 from ds_seqpar.loss import sp_causal_lm_loss
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.parallel.ring import WorkCounter
@@ -39,17 +48,46 @@ from ds_seqpar.parallel.usp import attention, input_layout
 ATTN_IMPLEMENTATION = "ds_seqpar"
 CONTEXT_KEY = "ds_seqpar_context"
 SHARD_EXTRAS = ("seq_len",)  # what shard_batch adds besides the model inputs
+_UNSET: Any = object()  # a keyword the attention layer did not pass
 
 
 @dataclass
 class SeqParContext:
-    """What the attention layers of one forward need besides q, k, v."""
+    """What the attention layers of one forward need besides q, k, v, and what they did.
+
+    ``layer_of`` maps ``id(module)`` of every submodule of a decoder layer to that layer's index;
+    ``layers`` collects the indices of the layers that called the attention, ``windows`` the calls
+    that applied a sliding window.
+    """
 
     mesh: SeqParMesh
     doc_ids: torch.Tensor | None = None
     work: WorkCounter | None = None
     step: int = 0
     calls: int = field(default=0)
+    layer_of: dict[int, int] = field(default_factory=dict)
+    layers: set[int] = field(default_factory=set)
+    windows: int = 0
+
+    def record(self, module: torch.nn.Module, window: int | None = None) -> None:
+        """Count one sequence-parallel call of ``module`` (attention or linear attention)."""
+        self.calls += 1
+        self.windows += window is not None
+        if id(module) in self.layer_of:
+            self.layers.add(self.layer_of[id(module)])
+
+
+# The context of the forward in progress, for layers that do not pass their keyword arguments on to
+# the attention interface (e.g. StableLM, Nemotron); SeqParCausalLM sets it around the decoder call.
+ACTIVE_CONTEXT: contextvars.ContextVar[SeqParContext | None] = contextvars.ContextVar(
+    CONTEXT_KEY, default=None
+)
+
+
+def current_context(kwargs: dict[str, Any]) -> SeqParContext | None:
+    """The context passed in ``kwargs``, else the one of the forward in progress."""
+    ctx = kwargs.get(CONTEXT_KEY)
+    return ctx if isinstance(ctx, SeqParContext) else ACTIVE_CONTEXT.get()
 
 
 # Keywords of transformers' attention interface that ds_seqpar honours (values checked below) and
@@ -78,7 +116,7 @@ def _refuse_keywords(name: str, attention_mask: Any, kwargs: dict[str, Any]) -> 
         shape = (
             tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
         )
-        raise ValueError(
+        raise UnsupportedModelError(
             f"{name} passed attention_mask of shape {shape} to the '{ATTN_IMPLEMENTATION}' attention; ds_seqpar "
             "builds masks from global positions and document ids and cannot honour an explicit mask (no rank "
             "holds the whole [S, S] mask). This model builds its own mask, so it cannot run under ds_seqpar"
@@ -86,7 +124,7 @@ def _refuse_keywords(name: str, attention_mask: Any, kwargs: dict[str, Any]) -> 
     for key, value in kwargs.items():
         if key in NEUTRAL_KEYWORDS or value is None:
             continue
-        raise ValueError(
+        raise UnsupportedModelError(
             f"{name} passed {key}={_short(value)} to the attention; ds_seqpar honours "
             f"{', '.join(HONOURED_KEYWORDS)} and would ignore {key!r}, which changes the result: this model "
             "cannot run under ds_seqpar (restore its attention with disable_sequence_parallel(model))"
@@ -104,7 +142,7 @@ def _sinks(name: str, s_aux: Any, num_heads: int) -> torch.Tensor | None:
     if s_aux is None:
         return None
     if not isinstance(s_aux, torch.Tensor) or s_aux.numel() != num_heads:
-        raise ValueError(
+        raise UnsupportedModelError(
             f"{name} passed s_aux={_short(s_aux)}; ds_seqpar honours attention sinks as one logit per query "
             f"head ({num_heads} values)"
         )
@@ -115,7 +153,7 @@ def _window(name: str, sliding_window: Any) -> int | None:
     if sliding_window is None:
         return None
     if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-        raise ValueError(
+        raise UnsupportedModelError(
             f"{name} passed sliding_window={_short(sliding_window)}; ds_seqpar honours an int >= 1 (a query sees "
             "the last `sliding_window` positions, itself included) or None"
         )
@@ -130,7 +168,7 @@ def seqpar_attention_forward(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    sliding_window: int | None = None,
+    sliding_window: Any = _UNSET,
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
     is_causal: bool | None = None,
@@ -145,7 +183,7 @@ def seqpar_attention_forward(
     non-None ``attention_mask``, raise a ValueError naming the module, keyword and value, before any
     collective; the neutral ones (``position_ids``, cache bookkeeping) are ignored.
     """
-    ctx = kwargs.get(CONTEXT_KEY)
+    ctx = current_context(kwargs)
     name = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
     if not isinstance(ctx, SeqParContext):
         raise RuntimeError(
@@ -155,16 +193,22 @@ def seqpar_attention_forward(
         )
     _refuse_keywords(name, attention_mask, kwargs)
     if dropout:
-        raise ValueError(
+        raise UnsupportedModelError(
             f"{name}: attention dropout={dropout} is not supported under sequence parallelism; "
             "set config.attention_dropout=0.0"
         )
     if query.shape[2] != key.shape[2]:
-        raise RuntimeError(
-            f"{name}: q_len={query.shape[2]} != k_len={key.shape[2]} (a KV cache is in use); sequence-parallel "
-            "attention needs the whole sequence at once: pass use_cache=False, and generate with an unwrapped model"
+        raise UnsupportedModelError(
+            f"{name}: q_len={query.shape[2]} != k_len={key.shape[2]}: a KV cache is in use, or the layer attends "
+            "to keys that are not one per token (compressed or extra keys); sequence-parallel attention needs one "
+            "key per query token: pass use_cache=False, and generate with an unwrapped model"
         )
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    if sliding_window is _UNSET:  # not passed: families that keep the window on the module (its mask)
+        sliding_window = getattr(module, "sliding_window", None)
+        sliding_window = sliding_window if isinstance(sliding_window, int) and sliding_window > 0 else None
+    window = _window(name, sliding_window)
+    query, key, value, v_dim = _common_head_dim(query, key, value)
     out = attention(
         query.transpose(1, 2),
         key.transpose(1, 2),
@@ -172,7 +216,7 @@ def seqpar_attention_forward(
         mesh=ctx.mesh,
         causal=causal,
         softmax_scale=scaling,
-        window=_window(name, sliding_window),
+        window=window,
         doc_ids=ctx.doc_ids,
         work=ctx.work,
         layer=getattr(module, "layer_idx", None),
@@ -180,8 +224,23 @@ def seqpar_attention_forward(
         softcap=softcap or None,
         sinks=_sinks(name, s_aux, query.shape[1]),
     )
-    ctx.calls += 1
-    return out, None
+    ctx.record(module, window)
+    return (out if v_dim is None else out[..., :v_dim]), None
+
+
+def _common_head_dim(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]:
+    """MLA families (DeepSeek V2/V3, MiniCPM3, ...) have a value head dim != the query/key head dim:
+    zero-pad the smaller side (zero value columns give zero output columns, zero q/k columns add 0 to
+    every score), exact; returns the value head dim to slice the output back to, or None."""
+    d_qk, d_v = query.shape[-1], value.shape[-1]
+    if d_qk == d_v:
+        return query, key, value, None
+    if d_v < d_qk:
+        return query, key, torch.nn.functional.pad(value, (0, d_qk - d_v)), d_v
+    pad = (0, d_v - d_qk)
+    return torch.nn.functional.pad(query, pad), torch.nn.functional.pad(key, pad), value, d_v
 
 
 def register_attention() -> None:
@@ -202,7 +261,7 @@ def enable_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
     config = getattr(model, "config", None)
     original = getattr(config, "_attn_implementation", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
-        raise TypeError(
+        raise UnsupportedModelError(
             f"{type(model).__name__} is not a HuggingFace PreTrainedModel with a config; ds_seqpar routes the "
             "attention of transformers models (e.g. LlamaForCausalLM, MistralForCausalLM, Qwen3ForCausalLM)"
         )
@@ -212,7 +271,7 @@ def enable_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
     try:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     except (ValueError, KeyError, NotImplementedError) as exc:
-        raise TypeError(
+        raise UnsupportedModelError(
             f"{type(model).__name__} (attn_implementation={original!r}) cannot route its attention through "
             f"ds_seqpar: transformers refused a custom attention implementation ({exc})"
         ) from exc
@@ -234,11 +293,24 @@ def disable_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
 
 @dataclass(frozen=True)
 class _ModelParts:
-    """The HF model inside a (PEFT) wrapper, its decoder and its logits; kept out of the module tree."""
+    """The HF model inside a (PEFT) wrapper, its decoder, its logits, and which decoder layer each
+    submodule belongs to (``layer_of``, over ``num_layers`` layers); kept out of the module tree."""
 
     hf: torch.nn.Module
     decoder: torch.nn.Module
     logits: ModelLogits
+    layer_of: dict[int, int]
+    num_layers: int | None
+
+
+def _decoder_layers(decoder: torch.nn.Module, hf: torch.nn.Module) -> tuple[dict[int, int], int | None]:
+    """``{id(submodule): layer index}`` over the decoder's layer list (the ModuleList with one entry per
+    ``num_hidden_layers``), and the layer count; an empty map when no such list exists."""
+    expected = getattr(getattr(decoder, "config", hf.config), "num_hidden_layers", None)
+    for module in decoder.modules():
+        if isinstance(module, torch.nn.ModuleList) and expected is not None and len(module) == expected:
+            return {id(m): i for i, layer in enumerate(module) for m in layer.modules()}, expected
+    return {}, expected
 
 
 class SeqParCausalLM(torch.nn.Module):
@@ -269,10 +341,13 @@ class SeqParCausalLM(torch.nn.Module):
     ) -> None:
         super().__init__()
         hf = unwrap_hf_model(model)
-        refuse_unhonoured_features(hf)
-        self.model = enable_sequence_parallel(model)
         decoder = decoder_of(hf)
-        self._parts = _ModelParts(hf, decoder, ModelLogits(hf, decoder))
+        refuse_unhonoured_features(hf, decoder)
+        refuse_recurrent_layers(hf)
+        if getattr(hf, "_ds_seqpar_original_attn", None) is None and not has_routed_layers(hf):
+            check_token_locality(hf, decoder)  # one process, before the attention is switched
+        self.model = enable_sequence_parallel(model)
+        self._parts = _ModelParts(hf, decoder, ModelLogits(hf, decoder), *_decoder_layers(decoder, hf))
         self.mesh = mesh
         self.grad_scale = grad_scale
         self.loss_chunk_size = loss_chunk_size
@@ -289,21 +364,43 @@ class SeqParCausalLM(torch.nn.Module):
     ) -> torch.Tensor:
         """Final hidden states ``[B, n, E]`` of this rank's tokens (every layer's attention over the group)."""
         self._check_positions(input_ids, position_ids, doc_ids)
-        ctx = SeqParContext(self.mesh, doc_ids, self.work, self.step)
-        hf, decoder = self._parts.hf, self._parts.decoder
-        hidden = decoder(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, **{CONTEXT_KEY: ctx}
-        )
+        parts = self._parts
+        ctx = SeqParContext(self.mesh, doc_ids, self.work, self.step, layer_of=parts.layer_of)
+        token = ACTIVE_CONTEXT.set(ctx)
+        try:
+            hidden = parts.decoder(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, **{CONTEXT_KEY: ctx}
+            )
+        finally:
+            ACTIVE_CONTEXT.reset(token)
         hidden = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
-        expected = getattr(getattr(decoder, "config", hf.config), "num_hidden_layers", None)
-        if ctx.calls == 0 or (expected is not None and ctx.calls != expected):
-            raise RuntimeError(
+        self._check_calls(ctx)
+        return hidden
+
+    def _check_calls(self, ctx: SeqParContext) -> None:
+        """Every decoder layer must have split its sequence mixing over the group, and a window the
+        config promises must have reached the attention; raised identically on every rank."""
+        hf, expected = self._parts.hf, self._parts.num_layers
+        missing: list[int] = []
+        if self._parts.layer_of:
+            missing = sorted(set(range(expected)) - ctx.layers)
+        elif ctx.calls == 0 or (expected is not None and ctx.calls < expected):
+            missing = [-1]
+        if missing:
+            where = "" if missing == [-1] else f" (layers {missing[:8]} made no call)"
+            raise UnsupportedModelError(
                 f"{type(hf).__name__} (original attn_implementation="
                 f"{getattr(hf, '_ds_seqpar_original_attn', None)!r}) called the ds_seqpar attention "
-                f"{ctx.calls} times for {expected} layers: some attention does not dispatch through transformers' "
-                "attention interface, so it cannot be split over the sequence"
+                f"{ctx.calls} times for {expected} layers{where}: some attention does not dispatch through "
+                "transformers' attention interface, so it cannot be split over the sequence"
             )
-        return hidden
+        window = expected_window(hf)
+        if window is not None and ctx.windows == 0:
+            raise UnsupportedModelError(
+                f"{type(hf).__name__}: config.sliding_window={window} but no attention layer passed a sliding window "
+                "to the attention (the family builds the window into a mask, which ds_seqpar does not receive); "
+                "this model cannot run under ds_seqpar"
+            )
 
     def _check_positions(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, doc_ids: torch.Tensor | None

@@ -193,6 +193,15 @@ def _pair_meta(plan: RingPlan, seq_len: int, rank: int, device: torch.device) ->
     return pos, doc
 
 
+def _sparse_pair(
+    plan: RingPlan, seq_len: int, owner: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """Positions of this rank's queries and ``owner``'s keys, and the sparse kernel's mask keywords."""
+    q_pos, q_doc = _pair_meta(plan, seq_len, plan.schedule.ring_rank, device)
+    k_pos, k_doc = _pair_meta(plan, seq_len, owner, device)
+    return q_pos, k_pos, dict(spec=plan.spec, q_doc=q_doc, k_doc=k_doc, softcap=plan.softcap)
+
+
 def _sparse_step_forward(
     plan: RingPlan,
     q: torch.Tensor,
@@ -205,20 +214,9 @@ def _sparse_step_forward(
     lse: torch.Tensor,
 ) -> None:
     """One ring step of the sparse ring: the whole local query shard against ``owner``'s keys."""
-    q_pos, q_doc = _pair_meta(plan, seq_len, plan.schedule.ring_rank, q.device)
-    k_pos, k_doc = _pair_meta(plan, seq_len, owner, q.device)
+    q_pos, k_pos, kw = _sparse_pair(plan, seq_len, owner, q.device)
     out_blk, lse_blk, pairs = sparse_attn_forward(
-        q,
-        k_blk,
-        v_blk,
-        q_pos,
-        k_pos,
-        plan.sparse,
-        scale=scale,
-        spec=plan.spec,
-        q_doc=q_doc,
-        k_doc=k_doc,
-        softcap=plan.softcap,
+        q, k_blk, v_blk, q_pos, k_pos, plan.sparse, scale=scale, **kw
     )
     merge_attn_(out, lse, out_blk, lse_blk)
     if plan.work is not None:
@@ -239,24 +237,8 @@ def _sparse_step_backward(
     seq_len: int,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q_pos, q_doc = _pair_meta(plan, seq_len, plan.schedule.ring_rank, q.device)
-    k_pos, k_doc = _pair_meta(plan, seq_len, owner, q.device)
-    return sparse_attn_backward(
-        dout,
-        q,
-        k_blk,
-        v_blk,
-        out,
-        lse,
-        q_pos,
-        k_pos,
-        plan.sparse,
-        scale=scale,
-        spec=plan.spec,
-        q_doc=q_doc,
-        k_doc=k_doc,
-        softcap=plan.softcap,
-    )
+    q_pos, k_pos, kw = _sparse_pair(plan, seq_len, owner, q.device)
+    return sparse_attn_backward(dout, q, k_blk, v_blk, out, lse, q_pos, k_pos, plan.sparse, scale=scale, **kw)
 
 
 def _query_meta(plan: RingPlan, seq_len: int, device: torch.device) -> tuple[torch.Tensor, Any]:
