@@ -117,14 +117,13 @@ def _mask_chunk(
 def _key_chunks(
     mask: torch.Tensor | None, causal: bool, qs: int, qe: int, sk: int, chunk: int, device: torch.device
 ) -> Iterator[tuple[int, int, torch.Tensor | None]]:
-    """Yield ``(ks, ke, visible)`` for key chunks with at least one visible pair."""
+    """Yield ``(ks, ke, visible)`` for the key chunks that causality does not rule out. A chunk the mask
+    hides entirely is still computed (its probabilities are 0): testing for it would be a host sync."""
     for ks in range(0, sk, chunk):
         if causal and ks > qe - 1:
             return
         ke = min(ks + chunk, sk)
-        visible = _mask_chunk(mask, causal, qs, qe, ks, ke, device)
-        if visible is None or bool(visible.any()):
-            yield ks, ke, visible
+        yield ks, ke, _mask_chunk(mask, causal, qs, qe, ks, ke, device)
 
 
 def _masked_scores(
@@ -569,9 +568,9 @@ def block_attn_backward(
             k.new_zeros(b, sk, hkv, d, dtype=acc),
             k.new_zeros(b, sk, hkv, d, dtype=acc),
         )
-    empty = lse == NEG_INF  # rows that saw no key anywhere: make them inert instead of NaN
-    if bool(empty.any()):
-        lse = lse.masked_fill(empty, 0.0)
-        dout = dout.masked_fill(empty.transpose(1, 2).unsqueeze(-1), 0.0)
+    # rows that saw no key anywhere: make them inert instead of NaN (unconditionally: no host sync)
+    empty = lse == NEG_INF
+    lse = lse.masked_fill(empty, 0.0)
+    dout = dout.masked_fill(empty.transpose(1, 2).unsqueeze(-1), 0.0)
     grads = kern.backward(dout, q, k, v, out, lse, d**-0.5 if scale is None else scale, mask, causal, softcap)
     return tuple(g.to(acc) for g in grads)

@@ -23,6 +23,8 @@ H_kv heads. Communication lives entirely in the schedule; this module never call
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,12 +134,70 @@ def _join_full(tasks: list[_BlockTask], along_keys: bool) -> list[_BlockTask]:
     return out
 
 
+def _runs(ids: torch.Tensor) -> list[tuple[int, int, int]] | None:
+    """``(id, start, end)`` of the runs of equal values of a 1-D tensor, or None when an id other than
+    padding (< 0) forms more than one run."""
+    values = ids.tolist()
+    runs: list[tuple[int, int, int]] = []
+    for i, value in enumerate(values):
+        if runs and runs[-1][0] == value:
+            runs[-1] = (value, runs[-1][1], i + 1)
+        else:
+            runs.append((value, i, i + 1))
+    real = [r[0] for r in runs if r[0] >= 0]
+    return runs if len(real) == len(set(real)) else None
+
+
+def _shared_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """A ``[S]`` / ``[B, S]`` tensor as ``[S]`` when every batch row is the same, else None."""
+    if x.dim() == 1:
+        return x
+    return x[0] if bool((x == x[:1]).all()) else None
+
+
+def _document_tasks(
+    plan: RingPlan,
+    q_rows: tuple[int, int],
+    k_rows: tuple[int, int],
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    q_doc: torch.Tensor,
+    k_doc: torch.Tensor,
+) -> list[_BlockTask] | None:
+    """A segment pair that packed documents make PARTIAL, cut at document boundaries: one call per
+    document present on both sides (FULL, CAUSAL, or PARTIAL with a small mask for windows), so no
+    work is spent on pairs of different documents (docs/ring.md, "Packed documents"). None when the
+    batch rows hold different documents or a document is split into several runs."""
+    (qa, qb), (ka, kb) = q_rows, k_rows
+    qd, kd = _shared_rows(q_doc[..., qa:qb]), _shared_rows(k_doc[..., ka:kb])
+    qp, kp = _shared_rows(q_pos[..., qa:qb]), _shared_rows(k_pos[..., ka:kb])
+    if qd is None or kd is None or qp is None or kp is None:
+        return None
+    q_runs, k_runs = _runs(qd), _runs(kd)
+    if q_runs is None or k_runs is None:
+        return None
+    keys = {doc: (start, end) for doc, start, end in k_runs if doc >= 0}
+    tasks: list[_BlockTask] = []
+    for doc, start, end in q_runs:
+        if doc < 0 or doc not in keys:
+            continue
+        ks, ke = keys[doc]
+        kind, mask = classify_block(qp[start:end], kp[ks:ke], plan.spec)
+        if kind is not BlockKind.EMPTY:
+            tasks.append(_BlockTask(slice(qa + start, qa + end), slice(ka + ks, ka + ke), kind, mask, 0))
+    if tasks:
+        tasks[0] = _BlockTask(tasks[0].q_rows, tasks[0].k_rows, tasks[0].kind, tasks[0].mask, 1)
+    return tasks
+
+
 def _tasks(plan: RingPlan, seq_len: int, owner: int, q_pos: torch.Tensor, q_doc: Any) -> list[_BlockTask]:
     """The kernel calls for (this rank's queries, ``owner``'s keys); EMPTY pairs dropped.
 
     Segment pairs are classified from global positions; the calls are then as few as the mask
     allows: the whole block in one call when it is FULL or top-left CAUSAL as a whole (the own
-    step of zigzag), else neighbouring FULL pairs joined into one rectangle.
+    step of zigzag), else neighbouring FULL pairs joined into one rectangle, and pairs that packed
+    documents make PARTIAL cut at document boundaries. Host work (with host syncs on a GPU): done
+    once per (plan, length, owner) by :func:`_cached_tasks`.
     """
     layout = plan.layout
     k_pos = layout.local_positions(seq_len, owner).to(q_pos.device)
@@ -167,14 +227,60 @@ def _tasks(plan: RingPlan, seq_len: int, owner: int, q_pos: torch.Tensor, q_doc:
             )
             if kind is BlockKind.EMPTY:
                 continue
+            if kind is BlockKind.PARTIAL and q_doc is not None:
+                split = _document_tasks(plan, (qa, qb), (ka, kb), q_pos, k_pos, q_doc, k_doc)
+                if split is not None:
+                    tasks += split
+                    continue
             tasks.append(_BlockTask(slice(qa, qb), slice(ka, kb), kind, mask))
     return _join_full(_join_full(tasks, along_keys=True), along_keys=False)
+
+
+PLAN_CACHE_SIZE = 64
+
+
+@dataclass
+class _PlanEntry:
+    doc_ids: torch.Tensor | None  # held, so that its id cannot be reused while the entry lives
+    value: Any
+
+
+_PLANS: OrderedDict[tuple, _PlanEntry] = OrderedDict()
+
+
+def _cached(plan: RingPlan, what: tuple, device: torch.device, build: Callable[[], Any]) -> Any:
+    """``build()`` once per (plan's layout, mask spec, document ids, ``what``, device), LRU-cached.
+
+    Every layer of a forward and its backward build their ring plans from the same document-id tensor
+    (the batch's), so block classification and masks (host work, host syncs on a GPU) happen once per
+    batch; the step loop itself then makes no host sync and no host-to-device copy.
+    """
+    docs = plan.doc_ids
+    key = (plan.layout, plan.spec, id(docs), None if docs is None else docs._version, what, str(device))
+    entry = _PLANS.get(key)
+    if entry is not None and entry.doc_ids is docs:
+        _PLANS.move_to_end(key)
+        return entry.value
+    value = build()
+    _PLANS[key] = _PlanEntry(docs, value)
+    while len(_PLANS) > PLAN_CACHE_SIZE:
+        _PLANS.popitem(last=False)
+    return value
+
+
+def _cached_tasks(
+    plan: RingPlan, seq_len: int, owner: int, q_pos: torch.Tensor, q_doc: Any
+) -> list[_BlockTask]:
+    me = plan.schedule.ring_rank
+    return _cached(
+        plan, ("tasks", seq_len, me, owner), q_pos.device, lambda: _tasks(plan, seq_len, owner, q_pos, q_doc)
+    )
 
 
 def _dense_tasks(
     plan: RingPlan, seq_len: int, owner: int, q_pos: torch.Tensor, q_doc: Any
 ) -> list[_BlockTask]:
-    return [] if plan.sparse is not None else _tasks(plan, seq_len, owner, q_pos, q_doc)
+    return [] if plan.sparse is not None else _cached_tasks(plan, seq_len, owner, q_pos, q_doc)
 
 
 def _check_sparse(plan: RingPlan, q: torch.Tensor, seq_len: int) -> None:
@@ -242,12 +348,17 @@ def _sparse_step_backward(
 
 
 def _query_meta(plan: RingPlan, seq_len: int, device: torch.device) -> tuple[torch.Tensor, Any]:
+    """Global positions (and document ids) of this rank's queries, cached like the block tasks."""
     me = plan.schedule.ring_rank
-    q_pos = plan.layout.local_positions(seq_len, me).to(device)
-    q_doc = None if plan.doc_ids is None else plan.layout.shard(plan.doc_ids, me, dim=-1).to(device)
-    if q_doc is not None:
-        q_pos = q_pos.expand(q_doc.shape)
-    return q_pos, q_doc
+
+    def build() -> tuple[torch.Tensor, Any]:
+        q_pos = plan.layout.local_positions(seq_len, me).to(device)
+        q_doc = None if plan.doc_ids is None else plan.layout.shard(plan.doc_ids, me, dim=-1).to(device)
+        if q_doc is not None:
+            q_pos = q_pos.expand(q_doc.shape)
+        return q_pos, q_doc
+
+    return _cached(plan, ("queries", seq_len, me), device, build)
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caller: str) -> None:
@@ -366,7 +477,7 @@ class _RingAttention(torch.autograd.Function):
                 _sparse_step_forward(plan, q, k_blk, v_blk, owner, seq_len, scale, out, lse)
                 continue
             step_pairs = 0
-            tasks = _tasks(plan, seq_len, owner, q_pos, q_doc)
+            tasks = _cached_tasks(plan, seq_len, owner, q_pos, q_doc)
             only = _only_call(plan, tasks, n) and sinks is None
             for task in tasks:
                 out_blk, lse_blk = block_attn_forward(

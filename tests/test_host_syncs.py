@@ -1,0 +1,139 @@
+"""No host sync in the attention step loop once the block plan of a batch is built.
+
+A ``TorchDispatchMode`` counts every op that makes the host wait for a device value
+(``aten._local_scalar_dense``: every ``.item()``, ``bool(tensor)``, ``int(tensor)``) or that has a
+data-dependent output shape (``nonzero``, ``masked_select``, ``unique``). The first call of
+``ds_seqpar.attention`` on a batch builds and caches the block plan (classification, document cuts,
+masks); the second call, forward and backward, must count 0 for dense, packed documents and
+sliding-window attention on P in {2, 4, 8}. Packed documents are also checked for exactness and for
+the work they save (pairs of different documents are never computed).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ds_seqpar
+from ds_seqpar import SeqParMesh, SequenceParallelConfig
+from ds_seqpar.layout import doc_ids_from_cu_seqlens
+from ds_seqpar.ops.masks import MaskSpec, token_mask
+from ds_seqpar.ops.reference import dense_attention_reference
+from ds_seqpar.parallel.ring import WorkCounter
+
+aten = torch.ops.aten
+SYNC_OPS = {
+    aten._local_scalar_dense,
+    aten.nonzero,
+    aten.masked_select,
+    aten._unique2,
+    aten.unique_consecutive,
+}
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts the ops of ``SYNC_OPS`` dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in SYNC_OPS:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+_MESHES: dict = {}
+
+
+def _mesh(world: int, case: dict) -> SeqParMesh:
+    key = (world, case["u"])
+    if key not in _MESHES:
+        _MESHES[key] = SeqParMesh.build(world, case["u"])
+    mesh = _MESHES[key]
+    mesh.config = SequenceParallelConfig(
+        size=world,
+        ulysses_degree=case["u"],
+        ring={"layout": case["layout"]},
+        kernel=case.get("kernel", "auto"),
+    )
+    return mesh
+
+
+def _step(mesh: SeqParMesh, case: dict, local: list[torch.Tensor], dout: torch.Tensor, docs, work) -> list:
+    """One forward and backward of this rank's shard; returns out and the gradients of q, k, v."""
+    leaves = [t.clone().requires_grad_() for t in local]
+    out = ds_seqpar.attention(*leaves, mesh=mesh, window=case.get("window"), doc_ids=docs, work=work)
+    out.backward(dout)
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+def run_sync_cases(cases: list[dict]) -> list[dict]:
+    """Per case: host syncs of the second (cached) call, max error against the reference, work pairs."""
+    world = dist.get_world_size()
+    out = []
+    for i, case in enumerate(cases):
+        mesh = _mesh(world, case)
+        layout = ds_seqpar.input_layout(mesh)
+        s = case["seq_len"]
+        g = torch.Generator().manual_seed(i)
+        h = max(4, world)
+        q, k, v, dout = (torch.randn(2, s, h, 8, generator=g, dtype=torch.float64) for _ in range(4))
+        docs = doc_ids_from_cu_seqlens(case["cu_seqlens"], s) if case.get("cu_seqlens") else None
+        me = mesh.coords.sp_rank
+        local = [layout.shard(t, me) for t in (q, k, v)]
+        work = WorkCounter()
+        args = (mesh, case, local, layout.shard(dout, me), docs, work)
+        _step(*args)  # builds and caches the block plan of this batch
+        work.reset()
+        with SyncCounter() as counter:
+            got = _step(*args)
+        pos = torch.arange(s)
+        spec = MaskSpec(window=case.get("window"))
+        mask = token_mask(pos, pos, spec) if docs is None else token_mask(pos, pos, spec, docs, docs)
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_out, _ = dense_attention_reference(*ref, mask)
+        ref_out.backward(dout)
+        want = [ref_out.detach(), *(t.grad for t in ref)]
+        err = max((a - layout.shard(b, me)).abs().max().item() for a, b in zip(got, want, strict=True))
+        out.append({"syncs": counter.ops, "err": err, "pairs": work.forward_pairs})
+    return out
+
+
+def _cases(p: int) -> list[dict]:
+    s = 32 * p
+    docs16 = list(range(0, s + 1, s // 16))  # a row of 16 short documents
+    return [
+        dict(u=1, layout="zigzag", seq_len=s),
+        dict(u=1, layout="zigzag", seq_len=s, cu_seqlens=[0, s // 8, s // 4 + 3, s]),
+        dict(u=1, layout="contiguous", seq_len=s, window=11),
+        dict(
+            u=p, layout="zigzag", seq_len=s, cu_seqlens=docs16
+        ),  # R = 1: one PARTIAL block, cut per document
+        dict(u=1, layout="stripe", seq_len=s, cu_seqlens=docs16, window=9),
+        dict(u=1, layout="zigzag", seq_len=s, cu_seqlens=[0, 5, s // 2 + 1, s - 3], kernel="torch"),
+    ]
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_no_host_sync_after_the_plan_is_built(dist_pool, p):
+    cases = _cases(p)
+    results = dist_pool(p).run(run_sync_cases, cases)
+    for i, case in enumerate(cases):
+        for rank, per_rank in enumerate(results):
+            r = per_rank[i]
+            assert r["syncs"] == [], (case, rank, r["syncs"][:5])
+            assert r["err"] <= 1e-10, (case, rank, r["err"])
+
+
+def test_packed_documents_compute_only_their_own_pairs(dist_pool):
+    """16 documents of 8 tokens at S = 128 on 4 ranks, U = 4 (R = 1, one head per rank): one causal 8 x 8
+    call per document (16 x 64 score pairs per rank), not the 128 x 128 square of a whole-block mask."""
+    s = 128
+    case = dict(u=4, layout="zigzag", seq_len=s, cu_seqlens=list(range(0, s + 1, 8)))
+    for per_rank in dist_pool(4).run(run_sync_cases, [case]):
+        assert per_rank[0]["err"] <= 1e-10, per_rank
+        assert per_rank[0]["pairs"] == 16 * 8 * 8, per_rank
