@@ -52,7 +52,7 @@ LayoutName = Literal["contiguous", "zigzag", "stripe"]
 ScheduleName = Literal["p2p", "all_gather"]
 AttentionName = Literal["usp", "ulysses", "ring", "sparse_ring"]
 BalancingName = Literal["stripe", "dbsp", "none"]
-KernelName = Literal["auto", "torch", "sdpa", "flash_attn"]
+KernelName = Literal["auto", "torch", "sdpa", "cuda_sdpa", "flash_attn"]
 
 
 class SeqParConfigError(ValueError):
@@ -211,7 +211,7 @@ class SequenceParallelConfig(_Section):
     kernel: KernelName = Field(
         "auto",
         description="Block attention kernel: auto | torch (chunked reference) | sdpa (PyTorch CPU flash op) | "
-        "flash_attn (CUDA).",
+        "cuda_sdpa (PyTorch's fused CUDA ops) | flash_attn (CUDA).",
     )
     fault_timeout_s: Annotated[float, Field(gt=0)] = Field(
         1800.0,

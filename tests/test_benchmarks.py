@@ -156,3 +156,16 @@ def test_attention_rows_are_scored_against_the_references_of_their_own_case() ->
     assert ours["vs_ceiling"] == pytest.approx(0.9) and no_comm["efficiency"] == pytest.approx(0.4 / 0.45)
     assert ours["vs_fastest_peer"] == pytest.approx(1.25)  # references are not peers
     assert "vs_fastest_peer" not in one and "efficiency" not in rows[-1] and "efficiency" not in rows[-2]
+
+
+def gpu_check_dry_run(out_dir: str) -> int:
+    from benchmarks.gpu_check import main
+
+    return main(["--dry-run", "--out", out_dir])
+
+
+def test_gpu_check_dry_run_runs_every_code_path(dist_pool, tmp_path):
+    """benchmarks/gpu_check.py on CPU: the CUDA kernel calls on meta tensors, the engine at tiny sizes."""
+    assert dist_pool(1).run(gpu_check_dry_run, str(tmp_path)) == [0]
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert "| cuda_sdpa | partial | torch.bfloat16 | 2 | 64 |" in text and "ds_seqpar P=1" in text

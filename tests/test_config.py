@@ -134,7 +134,7 @@ BAD_SECTIONS = [
     ),
     (
         {"size": 8, "kernel": "flash"},
-        r"sequence_parallel\.kernel='flash' is not valid; valid: auto, torch, sdpa, flash_attn",
+        r"sequence_parallel\.kernel='flash' is not valid; valid: auto, torch, sdpa, cuda_sdpa, flash_attn",
     ),
     (
         {"size": 8, "enabled": "true"},

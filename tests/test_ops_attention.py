@@ -256,17 +256,25 @@ def test_auto_picks_fastest_exact_kernel_on_cpu() -> None:
 def test_auto_on_cuda_device_type() -> None:
     """Selection only looks at (device type, dtype), so it is testable without a GPU."""
     assert "sdpa" not in available_kernels("cuda", torch.float32)
-    assert resolve_kernel("auto", "cuda", torch.float32) == "torch"
+    assert resolve_kernel("auto", "cuda", torch.float32) == "cuda_sdpa"  # PyTorch's fused CUDA ops
+    assert resolve_kernel("auto", "cuda", torch.float64) == "torch"
     has_pkg = importlib.util.find_spec("flash_attn") is not None
-    assert resolve_kernel("auto", "cuda", torch.bfloat16) == ("flash_attn" if has_pkg else "torch")
+    assert resolve_kernel("auto", "cuda", torch.bfloat16) == ("flash_attn" if has_pkg else "cuda_sdpa")
+    assert resolve_kernel("auto", "cuda", torch.bfloat16, softcap=30.0) == (
+        "flash_attn" if has_pkg else "torch"
+    )
 
 
 def test_unknown_and_unavailable_kernel_errors() -> None:
-    with pytest.raises(ValueError, match=r"kernel='bogus'.*valid names: auto, flash_attn, sdpa, torch"):
+    with pytest.raises(
+        ValueError, match=r"kernel='bogus'.*valid names: auto, flash_attn, cuda_sdpa, sdpa, torch"
+    ):
         resolve_kernel("bogus", "cpu", torch.float32)
     with pytest.raises(ValueError, match=r"kernel='flash_attn' needs CUDA.*valid here .*: auto, sdpa, torch"):
         resolve_kernel("flash_attn", "cpu", torch.float32)
-    with pytest.raises(ValueError, match=r"kernel='sdpa' needs CPU tensors.*valid here .*: auto, torch"):
+    with pytest.raises(
+        ValueError, match=r"kernel='sdpa' needs CPU tensors.*valid here .*: auto, cuda_sdpa, torch"
+    ):
         resolve_kernel("sdpa", "cuda", torch.float32)
     with pytest.raises(ValueError, match=r"chunk=0"):
         torch_chunked_kernel(0)

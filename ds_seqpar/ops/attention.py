@@ -24,10 +24,14 @@ Kernels (one registry, chosen by name or ``"auto"``):
                 softcap
     sdpa        PyTorch's CPU flash op (``_scaled_dot_product_flash_attention_for_cpu`` + backward);
                 bf16/fp16 run natively (fp32 accumulation inside the op, as flash-attn does); no softcap
+    cuda_sdpa   PyTorch's fused CUDA ops (flash for FULL/CAUSAL fp16/bf16, efficient attention with an
+                additive bias otherwise), forward and backward with the final out/lse (``ops/cuda_sdpa.py``);
+                no softcap
     flash_attn  flash-attn on CUDA for fp16/bf16: FULL and square causal blocks via the public
                 ``flash_attn_func`` (softcap natively); explicit masks, rectangular causal and the
                 backward (no public entry point takes an external out/lse) run on the torch kernel
-    auto        the first available of flash_attn, sdpa, torch (with softcap: the first that applies it)
+    auto        the first available of flash_attn, cuda_sdpa, sdpa, torch (with softcap: the first that
+                applies it)
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+
+from ds_seqpar.ops import cuda_sdpa
 
 __all__ = [
     "KERNELS",
@@ -374,6 +380,12 @@ KERNELS: dict[str, AttentionKernel] = {
         backward=functools.partial(_torch_backward, chunk=DEFAULT_CHUNK),
         unavailable=_flash_unavailable,
         softcap=True,
+    ),
+    "cuda_sdpa": AttentionKernel(
+        name="cuda_sdpa",
+        forward=cuda_sdpa.forward,
+        backward=cuda_sdpa.backward,
+        unavailable=cuda_sdpa.unavailable,
     ),
     "sdpa": AttentionKernel(
         name="sdpa", forward=_sdpa_forward, backward=_sdpa_backward, unavailable=_sdpa_unavailable

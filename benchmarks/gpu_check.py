@@ -1,0 +1,298 @@
+"""The first thing to run when a GPU is lent: exactness of every CUDA kernel, then a benchmark.
+
+One GPU::
+
+    .venv/bin/python -m benchmarks.gpu_check
+
+N GPUs (adds USP / ring throughput over the N ranks)::
+
+    .venv/bin/torchrun --nproc_per_node N -m benchmarks.gpu_check
+
+On a CPU machine ``--dry-run`` runs every code path at tiny sizes (CUDA op calls on meta tensors,
+the engine on CPU) so the script cannot rot; CI runs it.
+
+1. **Kernels** (``kernels`` rows): every CUDA block kernel available (``cuda_sdpa``, ``flash_attn`` if
+   installed, ``torch``) x block kind (FULL, CAUSAL, PARTIAL with a random mask and a row that sees no
+   key, sliding window) x dtype x GQA, forward (out, lse) and backward (dq, dk, dv, with the final
+   out/lse of the rows) against the float64 CPU reference; error relative to the reference's max.
+2. **Engine at P = 1** (``engine`` rows): ``ds_seqpar.attention`` on one rank against one call of
+   ``torch.nn.functional.scaled_dot_product_attention`` on the whole sequence: fwd+bwd time and peak
+   memory, causal, bf16.
+3. **P = N** (``parallel`` rows, under torchrun with N >= 2): USP and ring fwd+bwd time against the
+   single-GPU time / N.
+
+Writes ``benchmarks/results/gpu_check.json`` and ``.md`` (``--out DIR`` elsewhere); finishes in a few
+minutes on one H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ds_seqpar.ops.attention import KERNELS, available_kernels, block_attn_backward, block_attn_forward
+from ds_seqpar.ops.masks import MaskSpec, token_mask
+from ds_seqpar.ops.reference import dense_attention_reference
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TOL = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-3}
+KINDS = ("full", "causal", "partial", "window")
+
+
+def _mask(kind: str, sq: int, sk: int) -> tuple[torch.Tensor | None, bool]:
+    """``(bool mask [1, Sq, Sk] or None, causal)`` of a block kind; the reference mask is derived from it."""
+    if kind == "full":
+        return None, False
+    if kind == "causal":
+        return None, True
+    if kind == "window":
+        pos = torch.arange(sq)
+        return token_mask(pos, pos, MaskSpec(causal=True, window=max(2, sq // 5)))[None], False
+    g = torch.Generator().manual_seed(sq + sk)
+    mask = torch.rand(1, sq, sk, generator=g) < 0.5
+    mask[:, 1] = False  # a row that sees no key
+    return mask, False
+
+
+def check_kernel(name: str, kind: str, dtype: torch.dtype, h: int, h_kv: int, d: int, device: str) -> dict:
+    """Max error of one kernel / block kind / dtype against the fp64 CPU reference, relative to its max."""
+    b, sq = 2, 257
+    sk = sq if kind in ("causal", "window") else 193
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(b, s, n, d, generator=g, dtype=torch.float64)
+        for s, n in ((sq, h), (sk, h_kv), (sk, h_kv))
+    )
+    dout = torch.randn(b, sq, h, d, generator=g, dtype=torch.float64)
+    mask, causal = _mask(kind, sq, sk)
+    ref_mask = torch.ones(sq, sk, dtype=torch.bool).tril() if causal else mask
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = dense_attention_reference(*leaves, ref_mask)
+    ref.backward(dout)
+    dev = [t.to(device=device, dtype=dtype) for t in (q, k, v)]
+    dev_mask = None if mask is None else mask.to(device)
+    kernel = KERNELS[name]
+    final_out, final_lse = (
+        ref.detach().to(device),
+        ref_lse.to(device),
+    )  # the engine passes the rows' final ones
+    if device == "meta":  # dry run: the kernel's own calls, past the device check of the dispatcher
+        out, lse = kernel.forward(*dev, d**-0.5, dev_mask, causal, None)
+        kernel.backward(dout.to(device), *dev, final_out, final_lse.nan_to_num(neginf=0.0), d**-0.5, dev_mask, causal, None)  # fmt: skip
+        assert out.shape == (b, sq, h, d) and lse.shape == (b, h, sq), (out.shape, lse.shape)
+        return {
+            "kernel": name,
+            "kind": kind,
+            "dtype": str(dtype),
+            "h_kv": h_kv,
+            "d": d,
+            "max_rel_err": 0.0,
+            "ok": True,
+        }
+    out, lse = block_attn_forward(*dev, mask=dev_mask, causal=causal, kernel=kernel)
+    grads = block_attn_backward(dout.to(device), *dev, final_out, final_lse, mask=dev_mask, causal=causal, kernel=kernel)  # fmt: skip
+    errs = {"out": (out.cpu().double() - ref.detach()).abs().max() / ref.abs().max()}
+    finite = torch.isfinite(ref_lse)
+    errs["lse"] = (lse.cpu().double()[finite] - ref_lse[finite]).abs().max() / ref_lse[finite].abs().max()
+    for nm, got, want in zip(("dq", "dk", "dv"), grads, leaves, strict=True):
+        errs[nm] = (got.cpu().double() - want.grad).abs().max() / want.grad.abs().max()
+    worst = max(float(e) for e in errs.values())
+    return {"kernel": name, "kind": kind, "dtype": str(dtype), "h_kv": h_kv, "d": d, "max_rel_err": worst,
+            "ok": worst <= TOL[dtype]}  # fmt: skip
+
+
+def kernel_rows(device: str) -> list[dict]:
+    rows = []
+    names = ["cuda_sdpa", "torch"] if device == "meta" else available_kernels(device, torch.bfloat16)
+    for name in names:
+        for kind in KINDS:
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                if device != "meta" and name not in available_kernels(device, dtype):
+                    continue
+                if device == "meta" and name != "cuda_sdpa":
+                    continue
+                for h_kv, d in ((8, 128), (2, 64)):
+                    rows.append(check_kernel(name, kind, dtype, 8, h_kv, d, device))
+    return rows
+
+
+def _timed(step, reps: int, cuda: bool) -> float:
+    step()
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps
+
+
+def _mesh(u: int, layout: str = "zigzag"):
+    from ds_seqpar import SeqParMesh, SequenceParallelConfig
+
+    world = dist.get_world_size()
+    mesh = SeqParMesh.build(world, u)
+    mesh.config = SequenceParallelConfig(size=world, ulysses_degree=u, ring={"layout": layout})
+    return mesh
+
+
+def engine_rows(
+    device: str, seq_lens: list[int], h: int, d: int, dtype: torch.dtype, reps: int
+) -> list[dict]:
+    """P = 1: the engine against one fused call over the whole sequence (time and peak memory)."""
+    import ds_seqpar
+
+    cuda = device == "cuda"
+    mesh = _mesh(1)
+    rows = []
+    for s in seq_lens:
+        q, k, v, dout = (torch.randn(1, s, h, d, device=device, dtype=dtype) for _ in range(4))
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+
+        def engine(leaves=leaves, dout=dout) -> None:
+            ds_seqpar.attention(*leaves, mesh=mesh, causal=True).backward(dout)
+
+        def fused(leaves=leaves, dout=dout) -> None:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                *(t.transpose(1, 2) for t in leaves), is_causal=True
+            )
+            o.transpose(1, 2).backward(dout)
+
+        for system, step in (("ds_seqpar P=1", engine), ("one fused call", fused)):
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            t = _timed(step, reps, cuda)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+            rows.append({"seq_len": s, "system": system, "time_s": t, "peak_GiB": peak})
+    return rows
+
+
+def parallel_rows(
+    device: str, seq_len: int, h: int, d: int, dtype: torch.dtype, single_s: float, reps: int
+) -> list[dict]:
+    """P = N ranks: USP (U = N, and U = 2 x R = N/2) and ring (R = N) against the single-GPU time / N."""
+    import ds_seqpar
+
+    world = dist.get_world_size()
+    cuda = device == "cuda"
+    rows = []
+    for u in sorted({world, 2 if world % 2 == 0 else 1, 1}, reverse=True):
+        mesh = _mesh(u)
+        n = seq_len // world
+        q, k, v, dout = (torch.randn(1, n, h, d, device=device, dtype=dtype) for _ in range(4))
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+
+        def step(mesh=mesh, leaves=leaves, dout=dout) -> None:
+            ds_seqpar.attention(*leaves, mesh=mesh, causal=True).backward(dout)
+
+        t = _timed(step, reps, cuda)
+        rows.append(
+            {
+                "seq_len": seq_len,
+                "system": f"U{u} x R{world // u}",
+                "time_s": t,
+                "vs_single_over_P": single_s / world / t,
+            }
+        )
+    return rows
+
+
+def _markdown(result: dict) -> str:
+    lines = [
+        f"# GPU check ({result['device_name']})",
+        "",
+        "## Kernels vs the fp64 CPU reference (max error / max |ref|)",
+        "",
+    ]
+    lines += ["| kernel | kind | dtype | H_kv | D | error | ok |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        f"| {r['kernel']} | {r['kind']} | {r['dtype']} | {r['h_kv']} | {r['d']} | {r['max_rel_err']:.2e} | {r['ok']} |"
+        for r in result["kernels"]
+    ]
+    lines += [
+        "",
+        "## Engine at P = 1 vs one fused call (causal, fwd+bwd)",
+        "",
+        "| S | system | time (s) | peak GiB |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['seq_len']} | {r['system']} | {r['time_s']:.4f} | {r['peak_GiB']:.2f} |"
+        for r in result["engine"]
+    ]
+    if result.get("parallel"):
+        lines += [
+            "",
+            "## P ranks (fwd+bwd)",
+            "",
+            "| S | mesh | time (s) | single / P / time |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['seq_len']} | {r['system']} | {r['time_s']:.4f} | {r['vs_single_over_P']:.2f} |"
+            for r in result["parallel"]
+        ]
+    return "\n".join(lines) + "\n"  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="GPU exactness of every kernel, then a benchmark")
+    parser.add_argument("--dry-run", action="store_true", help="CPU: meta tensors and tiny sizes")
+    parser.add_argument("--out", default=str(RESULTS), help="folder for gpu_check.json / .md")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.dry_run
+    if not cuda and not args.dry_run:
+        print("gpu_check: no CUDA device; use --dry-run on a CPU machine", file=sys.stderr)
+        return 2
+    started_here = not dist.is_initialized()
+    if started_here:
+        if "RANK" not in os.environ:
+            os.environ.update(
+                RANK="0",
+                WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=os.environ.get("MASTER_PORT", "29517"),
+            )
+        dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = "cuda" if cuda else "cpu"
+    t0 = time.perf_counter()
+    result = {"device_name": torch.cuda.get_device_name() if cuda else "dry run (CPU, meta tensors)",
+              "torch": torch.__version__, "world": dist.get_world_size()}  # fmt: skip
+    result["kernels"] = kernel_rows("cuda" if cuda else "meta")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    h, d = (32, 128) if cuda else (4, 16)
+    seq_lens, reps = ([8192, 32768], 5) if cuda else ([256], 1)
+    result["engine"] = (
+        engine_rows(device, seq_lens, h, d, dtype, reps) if dist.get_rank() == 0 or not cuda else []
+    )
+    if dist.get_world_size() > 1:
+        single = next((r["time_s"] for r in result["engine"] if r["system"] == "one fused call" and r["seq_len"] == seq_lens[-1]), float("nan"))  # fmt: skip
+        result["parallel"] = parallel_rows(device, seq_lens[-1], h, d, dtype, single, reps)
+    result["seconds"] = time.perf_counter() - t0
+    if dist.get_rank() == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_check.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / "gpu_check.md").write_text(_markdown(result))
+        bad = [r for r in result["kernels"] if not r["ok"]]
+        print(_markdown(result))
+        print(
+            f"gpu_check: {len(result['kernels'])} kernel cases, {len(bad)} over tolerance, {result['seconds']:.0f} s; wrote {out}"
+        )
+    if started_here:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
