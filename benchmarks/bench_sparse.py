@@ -10,7 +10,7 @@ shared direction that a few "heavy" key columns and the first tokens align with 
 plus noise; the pattern is estimated from the data like in training (budgets vertical = 0.02·S,
 slash = 0.035·S, which keeps about 10 % of the causal pairs at S = 32k: 90 % sparsity; block_size 128, as MTraining).
 
-1. ρ_s (db-SP, ALGORITHMS.md §15) of the estimated pattern at P = 4 and P = 8 for the contiguous and
+1. ρ_s (db-SP, docs/sparse.md "Balancing and ρ_s") of the estimated pattern at P = 4 and P = 8 for the contiguous and
    zigzag rings (``balancing: none``), block stripes (``stripe``) and stripes + head balancing
    (``dbsp``: head permutation + block reassignment), at U x R = 1 x P and 2 x P/2 (computed by the
    layer's own planning code, ``plan_balance`` / ``balance_stats``; no ranks needed).

@@ -30,9 +30,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from ds_seqpar.layout import UspLayout
+from ds_seqpar.layout import UspLayout, input_layout
 from ds_seqpar.mesh import SeqParMesh
-from ds_seqpar.parallel.usp import input_layout
 
 IGNORE_INDEX = -100
 

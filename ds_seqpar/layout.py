@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -285,3 +285,11 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int], seq_len:
     end = int(cu[-1])
     pos[end:] -= int(cu[-2])  # padding continues the last document's positions
     return pos
+
+
+def input_layout(mesh: Any) -> UspLayout:
+    """The layout the data side must shard with for a ``SeqParMesh`` and its config: the ring layout over
+    the R ring ranks (``sequence_parallel.ring.layout``, or sparse balancing stripes), then each ring
+    shard split into U Ulysses pieces."""
+    kind, granularity = mesh.settings.ring_layout
+    return UspLayout(SeqLayout(kind, mesh.ring_size, granularity), mesh.ulysses_size)

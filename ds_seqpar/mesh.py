@@ -210,6 +210,18 @@ class SeqParMesh:
         mesh.config = resolved
         return mesh
 
+    @property
+    def settings(self) -> SequenceParallelConfig:
+        """The ``sequence_parallel`` section this mesh follows: the one source of every default
+        (``build`` fills in the config class's defaults; ``from_config`` the resolved section)."""
+        if self.config is None:
+            raise ValueError(
+                "mesh.config is None: the attention, layouts and scans read every setting from the mesh's "
+                "sequence_parallel section; build the mesh with SeqParMesh.build / from_config (which set it) or "
+                "assign a SequenceParallelConfig to mesh.config"
+            )
+        return self.config
+
     # sizes ---------------------------------------------------------------------------------
     @property
     def dp_size(self) -> int:

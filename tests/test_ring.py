@@ -270,7 +270,7 @@ def test_all_gather_schedule(dist_pool):
 
 
 def test_bytes_per_rank_equal_the_formula(dist_pool):
-    """ALGORITHMS.md §4: fwd 2(R-1)·B·n·H_kv·D·b; bwd the same for K/V + 2R·B·n·H_kv·D·b_acc (dK, dV)."""
+    """docs/ring.md "Bytes per rank and layer": fwd 2(R-1)·B·n·H_kv·D·b; bwd the same for K/V + 2R·B·n·H_kv·D·b_acc (dK, dV)."""
     h_kv, b = 2, 8  # fp64
     single = dict(
         layout="zigzag", causal=True, h_kv=h_kv, dtype=torch.float64, seq_len=64, ring_inner=None, seed=1

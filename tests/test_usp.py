@@ -223,7 +223,7 @@ def test_pipelined_ulysses_without_grad_gives_the_same_output(dist_pool):
 
 
 def _ulysses_bytes(case: dict, p: int, b: int) -> int:
-    """ALGORITHMS.md §8 (fwd, R = 1): (U-1)/U · B·n·D·(2H + 2H_kv') · bytes, H_kv' after replication."""
+    """docs/attention.md "Bytes per rank and layer" (fwd, R = 1): (U-1)/U · B·n·D·(2H + 2H_kv') · bytes, H_kv' after replication."""
     u, h, kv = case["u"], case["h"], max(case["h_kv"], case["u"])
     return (u - 1) * case.get("batch", B) * (case["seq_len"] // p) * D * (2 * h + 2 * kv) * b // u
 
@@ -254,7 +254,7 @@ def test_head_groups():
 
 
 def test_bytes_per_rank_equal_usp_formula(dist_pool):
-    """ALGORITHMS.md §8 (fwd): Ulysses (U-1)/U·B·n·D·(2H+2H_kv)·b + ring 2(R-1)·B·(S/R)·(H_kv/U)·D·b."""
+    """docs/attention.md "Bytes per rank and layer" (fwd): Ulysses (U-1)/U·B·n·D·(2H+2H_kv)·b + ring 2(R-1)·B·(S/R)·(H_kv/U)·D·b."""
     p, s, h, h_kv, b = 8, 64, 8, 4, 8
     cases = [
         dict(u=u, layout="zigzag", causal=True, dtype=torch.float64, seq_len=s, h=h, h_kv=h_kv)

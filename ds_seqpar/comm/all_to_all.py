@@ -1,4 +1,4 @@
-"""Differentiable sequence <-> head all-to-all over the Ulysses group (ALGORITHMS.md §2, §8).
+"""Differentiable sequence <-> head all-to-all over the Ulysses group (docs/attention.md "What happens", "Bytes per rank and layer").
 
 Legend: U = Ulysses degree (group size), u = this rank's index in the group, n = local tokens
 before the exchange, B = batch, D = head dim, H / H_kv = query / key-value heads.

@@ -22,7 +22,7 @@ generators so the attention math (``parallel/ring.py``) stays free of communicat
   compute against every block, reduce-scatter dK/dV back to owners. Suited to irregular packed
   batches and the most accurate (no travelling accumulators).
 
-Bytes sent per rank and layer (b = bytes per element), checked by tests against ALGORITHMS.md §4:
+Bytes sent per rank and layer (b = bytes per element), checked by tests (docs/ring.md "Bytes per rank and layer"):
 single ring forward 2(R−1)·B·n·H_kv·D·b; backward the same for K/V plus 2R·B·n·H_kv·D·b_acc for
 dK/dV. Tags: gloo matches P2P by tag, so K/V and accumulators use distinct tags.
 """

@@ -1,4 +1,4 @@
-"""All-Scan: the pipelined prefix scan of per-piece affine state maps (ZeCO, ALGORITHMS.md §16.4), and the
+"""All-Scan: the pipelined prefix scan of per-piece affine state maps (ZeCO, docs/linear.md "Data flow of one layer"), and the
 all-gather baseline (LASP-2, §16.3).
 
 Legend: B batch, H heads, d_k x d_v state, K = number of row blocks along d_k.

@@ -9,7 +9,7 @@ network through a ``CommStats`` object (the one owned by the ``SeqParMesh``; no 
 
 Conventions: "bytes" are the bytes this rank sends (all-to-all: the chunks for the other ranks;
 P2P: the payload of its isends; all-gather: its own shard times (group size - 1)), so they can be
-compared with the per-rank formulas in docs/ALGORITHMS.md. A "message" is one call of a primitive.
+compared with the per-rank formulas in docs/attention.md, docs/ring.md and docs/linear.md. A "message" is one call of a primitive.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ def _lightning_forward(
     q, k, v = torch.split(qkv, d, dim=3)
     if ctx.doc_ids is not None:  # padding (doc id < 0) contributes nothing, as HF's padding mask does
         real = ctx.doc_ids if ctx.doc_ids.dim() == 2 else ctx.doc_ids.expand(b, -1)
-        from ds_seqpar.parallel.usp import input_layout
+        from ds_seqpar.layout import input_layout
 
         keep = input_layout(ctx.mesh).shard(real, ctx.mesh.coords.sp_rank, dim=1) >= 0
         q, k, v = (x * keep[:, :, None, None].to(x.dtype) for x in (q, k, v))

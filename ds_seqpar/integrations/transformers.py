@@ -42,8 +42,8 @@ from ds_seqpar.integrations.linear_models import (
 )
 from ds_seqpar.loss import sp_causal_lm_loss
 from ds_seqpar.mesh import SeqParMesh
-from ds_seqpar.parallel.ring import WorkCounter
 from ds_seqpar.parallel.usp import attention, input_layout
+from ds_seqpar.parallel.work import WorkCounter
 
 ATTN_IMPLEMENTATION = "ds_seqpar"
 CONTEXT_KEY = "ds_seqpar_context"

@@ -7,7 +7,7 @@ Legend:
     acc dtype  float64 for float64 inputs, else float32: outputs, lse and gradients use it so that
                ring merges and gradient sums stay exact; cast ``out`` to the model dtype at the end
 
-Contract (ALGORITHMS.md §0.1, §0.3):
+Contract (docs/kernels.md "Contract"):
     forward   (q, k, v, mask) -> out [B, Sq, H, D] (acc), lse [B, H, Sq] (acc);
               a row that sees no key gets out 0, lse -inf
     backward  (dout, q, k, v, out, lse, mask) -> dq [B, Sq, H, D], dk, dv [B, Sk, H_kv, D] (acc),

@@ -1,4 +1,4 @@
-"""Chunked linear attention with decay, and the local/entering-state split of All-Scan (ALGORITHMS.md §16).
+"""Chunked linear attention with decay, and the local/entering-state split of All-Scan (docs/linear.md).
 
 Legend:
     B, S, H     batch, tokens (of the whole sequence or of one rank's contiguous piece), heads

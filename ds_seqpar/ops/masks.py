@@ -1,4 +1,4 @@
-"""Attention masks derived from per-token global positions and document ids (ALGORITHMS.md §0.4).
+"""Attention masks derived from per-token global positions and document ids (docs/kernels.md "Masks from global positions").
 
 Legend:
     B      batch size

@@ -1,4 +1,4 @@
-"""Merging partial attention results of the same query rows (online softmax, ALGORITHMS.md §0.2).
+"""Merging partial attention results of the same query rows (online softmax, docs/kernels.md "Merge").
 
 Legend:
     B, S, H, D  batch, query rows, query heads, head dim

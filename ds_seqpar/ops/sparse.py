@@ -1,6 +1,6 @@
 """Dynamic vertical-slash sparse attention: pattern estimation, block masks and the sparse block kernel.
 
-ALGORITHMS.md §14 (MTraining / MInference vertical-slash), §15 (db-SP work matrix and ρ_s).
+docs/sparse.md: "What is computed" (MTraining / MInference vertical-slash), "Balancing and ρ_s" (db-SP).
 
 Legend:
     B, H, H_kv, D  batch, query heads, key/value heads, head dim
@@ -724,7 +724,7 @@ def sparse_attention_reference(
 
 
 # ----------------------------------------------------------------------------------------------
-# work and balance (db-SP ρ_s, ALGORITHMS.md §15)
+# work and balance (db-SP ρ_s, docs/sparse.md "Balancing and ρ_s")
 
 
 def block_work(pattern: SparsePattern, owner: torch.Tensor, world: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Linear attention under sequence parallelism: Ulysses over heads, All-Scan over the ring (ALGORITHMS.md §16, §17.4).
+"""Linear attention under sequence parallelism: Ulysses over heads, All-Scan over the ring (docs/linear.md).
 
 Legend: P = U · R SP ranks, n = S / P tokens per rank, H heads, d_k / d_v key / value head dims.
 
@@ -27,9 +27,9 @@ import torch
 
 from ds_seqpar.comm.all_to_all import HeadPlan, head_to_seq, seq_to_head
 from ds_seqpar.comm.scan import StateScan, chain_owners
+from ds_seqpar.layout import input_layout
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.linear import advance_state, entering_state_output, local_scan, piece_state
-from ds_seqpar.parallel.usp import input_layout
 
 
 @dataclass(frozen=True)
@@ -140,8 +140,7 @@ def scan_plan(
     mesh: SeqParMesh, local_len: int, chunk_size: int, blocks: int, mode: str, scale: float
 ) -> ScanPlan:
     """The scan over ``mesh``'s ring group for a ring shard of ``local_len`` tokens."""
-    cfg = mesh.config
-    kind = "contiguous" if cfg is None else cfg.ring_layout[0]
+    kind = mesh.settings.ring_layout[0]
     owners = chain_owners(mesh.ring_size, kind)
     scan = StateScan(
         mesh.group("ring"), mesh.members["ring"], mesh.coords.ring_rank, owners, blocks, mode, mesh.comm_stats
@@ -173,8 +172,8 @@ def linear_attention(
     Returns:
         ``out [B, n, H, d_v]`` in v.dtype; differentiable in q, k, v, log_decay and initial_state.
     """
-    cfg = mesh.config
-    lin = None if cfg is None else cfg.linear
+    cfg = mesh.settings
+    lin = cfg.linear
     b, n, h, d_k = q.shape
     layout = input_layout(mesh)
     seq_len = n * layout.world
@@ -188,10 +187,8 @@ def linear_attention(
         raise ValueError(
             f"log_decay shape {tuple(log_decay.shape)} must be [H] = ({h},) or [B, n, H, d_k] = {(b, n, h, d_k)}"
         )
-    chunk_size, blocks, mode = (64, 4, "all_scan") if lin is None else (lin.chunk_size, lin.blocks, lin.scan)
-    chain_owners(
-        mesh.ring_size, "contiguous" if cfg is None else cfg.ring_layout[0]
-    )  # layout check, pre-comm
+    chunk_size, blocks, mode = lin.chunk_size, lin.blocks, lin.scan
+    chain_owners(mesh.ring_size, cfg.ring_layout[0])  # layout check, pre-comm
     heads = HeadPlan.build(h, h, mesh.ulysses_size)
     group, me, stats = mesh.group("ulysses"), mesh.coords.ulysses_rank, mesh.comm_stats
     gate = log_decay is not None and log_decay.dim() == 4

@@ -1,4 +1,4 @@
-"""The ring engine: one autograd Function for every ring-shaped attention (ALGORITHMS.md §4–7, §17.3).
+"""The ring engine: one autograd Function for every ring-shaped attention (docs/ring.md).
 
 Legend:
     B, H, H_kv, D  batch, query heads, key/value heads, head dim
@@ -17,7 +17,7 @@ Every (query segment, key segment) pair is classified from global positions and 
 (``ops/masks.py``): EMPTY pairs are skipped (this is what makes zigzag and stripes balanced), FULL
 and CAUSAL pairs run without a mask tensor, PARTIAL pairs with one. Forward merges the partial
 ``(out, lse)`` in fp32 (log-sigmoid form, ``ops/merge.py``); backward re-circulates K/V, carries the
-dK/dV accumulators with their blocks and keeps dq local (ALGORITHMS.md §0.3). GQA moves only the
+dK/dV accumulators with their blocks and keeps dq local (docs/ring.md "How a step works"). GQA moves only the
 H_kv heads. Communication lives entirely in the schedule; this module never calls a collective.
 """
 
@@ -30,32 +30,23 @@ from typing import Any
 
 import torch
 
-from ds_seqpar.comm.p2p import AllGatherSchedule, RingComm, RingSchedule
+from ds_seqpar.comm.schedule import SCHEDULES, Schedule, build_schedule
 from ds_seqpar.layout import SeqLayout
 from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward
 from ds_seqpar.ops.masks import BlockKind, MaskSpec, classify_block, quick_block_kind
 from ds_seqpar.ops.merge import apply_sink, merge_attn_, sink_grad
 from ds_seqpar.ops.sparse import SparsePattern, sparse_attn_backward, sparse_attn_forward
+from ds_seqpar.parallel.work import WorkCounter
 
-Schedule = RingSchedule | AllGatherSchedule
-SCHEDULES = ("p2p", "all_gather")
-
-
-@dataclass
-class WorkCounter:
-    """Attention work this rank actually computed: score pairs (query x key) and segment blocks.
-
-    Balance across ranks is ``max / mean`` of ``forward_pairs`` (1.0 = perfect). ``blocks`` /
-    ``skipped_blocks`` count forward (query segment, key segment) pairs computed / skipped as EMPTY.
-    """
-
-    forward_pairs: int = 0
-    backward_pairs: int = 0
-    blocks: int = 0
-    skipped_blocks: int = 0
-
-    def reset(self) -> None:
-        self.forward_pairs = self.backward_pairs = self.blocks = self.skipped_blocks = 0
+__all__ = [
+    "SCHEDULES",
+    "RingPlan",
+    "Schedule",
+    "WorkCounter",
+    "build_schedule",
+    "check_qkv",
+    "ring_attention",
+]
 
 
 @dataclass(frozen=True)
@@ -72,7 +63,7 @@ class RingPlan:
         work: optional counter of the work this rank computes.
         sparse: a vertical-slash pattern of this rank's query heads (``ops/sparse.py``): every step
             then runs the sparse block kernel on the whole (query shard, key shard) pair instead of
-            the dense kernel per segment pair (the sparse ring, ALGORITHMS.md §14). Needs causal.
+            the dense kernel per segment pair (the sparse ring, docs/sparse.md). Needs causal.
         softcap: None, or c > 0: every score s becomes c·tanh(s / c) before the softmax (Gemma 2).
     """
 
@@ -200,10 +191,8 @@ def _tasks(plan: RingPlan, seq_len: int, owner: int, q_pos: torch.Tensor, q_doc:
     once per (plan, length, owner) by :func:`_cached_tasks`.
     """
     layout = plan.layout
-    k_pos = layout.local_positions(seq_len, owner).to(q_pos.device)
-    k_doc = None if plan.doc_ids is None else layout.shard(plan.doc_ids, owner, dim=-1).to(q_pos.device)
-    if k_doc is not None:
-        k_pos = k_pos.expand(k_doc.shape)  # per-row documents need per-row positions
+    k_pos, k_doc = _tokens(plan, seq_len, owner, q_pos.device)
+    k_pos = _per_row(k_pos, k_doc)  # per-row documents need per-row positions
     segments = layout.segments(seq_len)
     if len(segments) > 1:
         whole = quick_block_kind(q_pos, k_pos, plan.spec, q_doc, k_doc)
@@ -292,19 +281,12 @@ def _check_sparse(plan: RingPlan, q: torch.Tensor, seq_len: int) -> None:
         )
 
 
-def _pair_meta(plan: RingPlan, seq_len: int, rank: int, device: torch.device) -> tuple[torch.Tensor, Any]:
-    """1-D global positions ``[n]`` and document ids (``[n]`` / ``[B, n]`` or None) of ``rank``'s tokens."""
-    pos = plan.layout.local_positions(seq_len, rank).to(device)
-    doc = None if plan.doc_ids is None else plan.layout.shard(plan.doc_ids, rank, dim=-1).to(device)
-    return pos, doc
-
-
 def _sparse_pair(
     plan: RingPlan, seq_len: int, owner: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """Positions of this rank's queries and ``owner``'s keys, and the sparse kernel's mask keywords."""
-    q_pos, q_doc = _pair_meta(plan, seq_len, plan.schedule.ring_rank, device)
-    k_pos, k_doc = _pair_meta(plan, seq_len, owner, device)
+    q_pos, q_doc = _tokens(plan, seq_len, plan.schedule.ring_rank, device)
+    k_pos, k_doc = _tokens(plan, seq_len, owner, device)
     return q_pos, k_pos, dict(spec=plan.spec, q_doc=q_doc, k_doc=k_doc, softcap=plan.softcap)
 
 
@@ -347,18 +329,27 @@ def _sparse_step_backward(
     return sparse_attn_backward(dout, q, k_blk, v_blk, out, lse, q_pos, k_pos, plan.sparse, scale=scale, **kw)
 
 
-def _query_meta(plan: RingPlan, seq_len: int, device: torch.device) -> tuple[torch.Tensor, Any]:
-    """Global positions (and document ids) of this rank's queries, cached like the block tasks."""
-    me = plan.schedule.ring_rank
+def _tokens(plan: RingPlan, seq_len: int, rank: int, device: torch.device) -> tuple[torch.Tensor, Any]:
+    """1-D global positions ``[n]`` and document ids (``[n]`` / ``[B, n]`` or None) of ``rank``'s tokens,
+    cached like the block tasks (the one lookup of positions and documents of the engine)."""
 
     def build() -> tuple[torch.Tensor, Any]:
-        q_pos = plan.layout.local_positions(seq_len, me).to(device)
-        q_doc = None if plan.doc_ids is None else plan.layout.shard(plan.doc_ids, me, dim=-1).to(device)
-        if q_doc is not None:
-            q_pos = q_pos.expand(q_doc.shape)
-        return q_pos, q_doc
+        pos = plan.layout.local_positions(seq_len, rank).to(device)
+        doc = None if plan.doc_ids is None else plan.layout.shard(plan.doc_ids, rank, dim=-1).to(device)
+        return pos, doc
 
-    return _cached(plan, ("queries", seq_len, me), device, build)
+    return _cached(plan, ("tokens", seq_len, rank), device, build)
+
+
+def _per_row(pos: torch.Tensor, doc: Any) -> torch.Tensor:
+    """Positions expanded to the documents' ``[B, n]`` when the documents differ per batch row."""
+    return pos if doc is None else pos.expand(doc.shape)
+
+
+def _query_meta(plan: RingPlan, seq_len: int, device: torch.device) -> tuple[torch.Tensor, Any]:
+    """Global positions (per row, with per-row documents) and document ids of this rank's queries."""
+    pos, doc = _tokens(plan, seq_len, plan.schedule.ring_rank, device)
+    return _per_row(pos, doc), doc
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caller: str) -> None:
@@ -588,26 +579,3 @@ def ring_attention(
     """
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     return _RingAttention.apply(q, k, v, sinks, plan, scale)
-
-
-def build_schedule(mesh: Any, kind: str = "p2p", overlap: bool = True) -> Schedule:
-    """The schedule over ``mesh``'s ring axis: single ring, double ring (``ring_inner < ring``) or all-gather.
-
-    Args:
-        mesh: a ``SeqParMesh``; its ``ring_inner`` / ``ring_outer`` groups define the double ring.
-        kind: ``"p2p"`` (ring) or ``"all_gather"`` (Llama-3 style).
-        overlap: overlap transfers with compute (p2p only).
-    """
-    if kind not in SCHEDULES:
-        raise ValueError(f"ring schedule {kind!r} is unknown; valid: {', '.join(SCHEDULES)}")
-    c = mesh.coords
-    stats = mesh.comm_stats
-    if kind == "all_gather":
-        return AllGatherSchedule(mesh.group("ring"), mesh.members["ring"], c.ring_rank, stats)
-    if mesh.ring_inner_size == mesh.ring_size:
-        return RingSchedule(
-            RingComm(mesh.group("ring"), mesh.members["ring"], c.ring_rank, stats), None, overlap
-        )
-    inner = RingComm(mesh.group("ring_inner"), mesh.members["ring_inner"], c.ring_inner_rank, stats)
-    outer = RingComm(mesh.group("ring_outer"), mesh.members["ring_outer"], c.ring_outer_rank, stats)
-    return RingSchedule(inner, outer, overlap)

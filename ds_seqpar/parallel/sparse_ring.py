@@ -1,4 +1,4 @@
-"""Sparse ring attention: Ulysses x ring with a dynamic vertical-slash pattern (ALGORITHMS.md §14, §15).
+"""Sparse ring attention: Ulysses x ring with a dynamic vertical-slash pattern (docs/sparse.md).
 
 Legend: P = U · R SP ranks, n = S / P tokens per rank, G = ``sparse.block_size``.
 
@@ -47,8 +47,9 @@ from ds_seqpar.ops.sparse import (
     estimate_pattern,
     imbalance_ratio,
 )
-from ds_seqpar.parallel.ring import RingPlan, WorkCounter, ring_attention
+from ds_seqpar.parallel.ring import RingPlan, ring_attention
 from ds_seqpar.parallel.ulysses import gather_heads, local_sinks, scatter_heads
+from ds_seqpar.parallel.work import WorkCounter
 
 STATS_KEY = "sparse_stats"
 BLOCK_BALANCE_MIN_GAIN = 0.01  # db-SP block moves must lower rho_s by this much to pay for two all-to-alls

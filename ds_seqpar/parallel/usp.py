@@ -8,7 +8,7 @@ Legend: P = SP degree = U · R, n = S / P tokens per rank, B, H, H_kv, D as usua
       -> inverse all-to-all                       out [B, n, H, D]
 
 ``attention: "ulysses"`` is the case R = 1 and ``attention: "ring"`` the case U = 1 of the same
-code. Communication per rank and layer (fwd, ALGORITHMS.md §8, tested exactly):
+code. Communication per rank and layer (fwd, docs/attention.md "Bytes per rank and layer", tested exactly):
 Ulysses ``(U-1)/U · B·n·D·(2H + 2H_kv)`` + ring ``2(R-1) · B·(S/R)·(H_kv/U)·D`` elements.
 Every check runs before the first collective.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ds_seqpar.comm.all_to_all import HeadPlan
-from ds_seqpar.layout import SeqLayout, UspLayout
+from ds_seqpar.layout import UspLayout, input_layout
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.attention import check_softcap, resolve_kernel
 from ds_seqpar.ops.masks import MaskSpec
@@ -37,18 +37,10 @@ from ds_seqpar.parallel.ulysses_pipeline import HeadGroups, pipelined_ulysses
 DEFAULT_ULYSSES_CHUNKS = 4  # ``ulysses_chunks: "auto"``
 
 
-def input_layout(mesh: SeqParMesh) -> UspLayout:
-    """The layout the data side must shard with for this mesh and config (ring layout, then Ulysses split)."""
-    cfg = mesh.config
-    kind, granularity = ("zigzag", 1) if cfg is None else cfg.ring_layout
-    return UspLayout(SeqLayout(kind, mesh.ring_size, granularity), mesh.ulysses_size)
-
-
 def _schedule(mesh: SeqParMesh):
     """The mesh's ring schedule, built once and reused (it owns the double-buffered receive buffers)."""
-    cfg = mesh.config
-    kind = "p2p" if cfg is None else cfg.ring.schedule
-    overlap = True if cfg is None else cfg.ring.overlap
+    cfg = mesh.settings
+    kind, overlap = cfg.ring.schedule, cfg.ring.overlap
     key = f"ring_schedule:{kind}:{overlap}"
     if key not in mesh.resources:
         mesh.resources[key] = build_schedule(mesh, kind, overlap)
@@ -77,8 +69,7 @@ def _check(
     seq_len = q.shape[1] * layout.world
     layout.check_length(seq_len)
     if (
-        mesh.config is not None
-        and mesh.config.attention == "sparse_ring"
+        mesh.settings.attention == "sparse_ring"
         and mesh.config.sparse.balancing != "none"
         and seq_len % (layout.ring.world * mesh.config.sparse.block_size) != 0
     ):
@@ -149,8 +140,8 @@ def attention(
         algorithm except ``sparse_ring``, which is exact attention under the estimated vertical-slash
         pattern. A query that sees no key (padding, doc id < 0) outputs 0.
     """
-    cfg = mesh.config
-    algorithm = "usp" if cfg is None else cfg.attention
+    cfg = mesh.settings
+    algorithm = cfg.attention
     if algorithm == "ulysses" and mesh.ring_size != 1:
         raise ValueError(
             f"sequence_parallel.attention='ulysses' needs ring degree 1 but the mesh has R={mesh.ring_size}; "
@@ -164,7 +155,7 @@ def attention(
     layout = input_layout(mesh)
     seq_len = _check(q, k, v, mesh, layout, positions, doc_ids, sinks)
     softcap = check_softcap(softcap)
-    kernel = "auto" if cfg is None else cfg.kernel
+    kernel = cfg.kernel
     resolve_kernel(kernel, q.device, q.dtype, softcap)  # an unavailable kernel fails here, not mid-collective
     if algorithm == "sparse_ring" and causal and sparse_layer_active(cfg.sparse, layer, step):
         from ds_seqpar.parallel.sparse_ring import sparse_attention  # sparse_ring builds on this module
@@ -213,5 +204,5 @@ def _head_groups(mesh: SeqParMesh, heads: HeadPlan) -> HeadGroups | None:
     """Pipelined head groups for a Ulysses-only mesh (R = 1, U > 1), or None for one exchange."""
     if mesh.ring_size != 1 or mesh.ulysses_size == 1:
         return None
-    wanted = mesh.config.ulysses_chunks if mesh.config is not None else "auto"
+    wanted = mesh.settings.ulysses_chunks
     return HeadGroups.build(heads, DEFAULT_ULYSSES_CHUNKS if wanted == "auto" else wanted)
