@@ -266,12 +266,6 @@ def _cached_tasks(
     )
 
 
-def _dense_tasks(
-    plan: RingPlan, seq_len: int, owner: int, q_pos: torch.Tensor, q_doc: Any
-) -> list[_BlockTask]:
-    return [] if plan.sparse is not None else _cached_tasks(plan, seq_len, owner, q_pos, q_doc)
-
-
 def _check_sparse(plan: RingPlan, q: torch.Tensor, seq_len: int) -> None:
     pattern = plan.sparse
     if pattern.seq_len != seq_len or pattern.num_heads != q.shape[2] or pattern.batch not in (1, q.shape[0]):
@@ -288,45 +282,6 @@ def _sparse_pair(
     q_pos, q_doc = _tokens(plan, seq_len, plan.schedule.ring_rank, device)
     k_pos, k_doc = _tokens(plan, seq_len, owner, device)
     return q_pos, k_pos, dict(spec=plan.spec, q_doc=q_doc, k_doc=k_doc, softcap=plan.softcap)
-
-
-def _sparse_step_forward(
-    plan: RingPlan,
-    q: torch.Tensor,
-    k_blk: torch.Tensor,
-    v_blk: torch.Tensor,
-    owner: int,
-    seq_len: int,
-    scale: float,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-) -> None:
-    """One ring step of the sparse ring: the whole local query shard against ``owner``'s keys."""
-    q_pos, k_pos, kw = _sparse_pair(plan, seq_len, owner, q.device)
-    out_blk, lse_blk, pairs = sparse_attn_forward(
-        q, k_blk, v_blk, q_pos, k_pos, plan.sparse, scale=scale, **kw
-    )
-    merge_attn_(out, lse, out_blk, lse_blk)
-    if plan.work is not None:
-        plan.work.forward_pairs += pairs // q.shape[2]
-        plan.work.blocks += 1 if pairs else 0
-        plan.work.skipped_blocks += 0 if pairs else 1
-
-
-def _sparse_step_backward(
-    plan: RingPlan,
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k_blk: torch.Tensor,
-    v_blk: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    owner: int,
-    seq_len: int,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q_pos, k_pos, kw = _sparse_pair(plan, seq_len, owner, q.device)
-    return sparse_attn_backward(dout, q, k_blk, v_blk, out, lse, q_pos, k_pos, plan.sparse, scale=scale, **kw)
 
 
 def _tokens(plan: RingPlan, seq_len: int, rank: int, device: torch.device) -> tuple[torch.Tensor, Any]:
@@ -436,6 +391,151 @@ def _accumulate(
     return acc_tensor
 
 
+@dataclass
+class _Rows:
+    """What one ring attention call accumulates for this rank's query rows.
+
+    Forward: ``out [B, n, H, D]`` / ``lse [B, H, n]`` (the first block covering every row becomes the
+    accumulator; no zero-filled buffer). Backward: ``dq``, with ``dout``, ``out``, ``lse`` the final
+    results of the rows.
+    """
+
+    q: torch.Tensor
+    acc: torch.dtype
+    out: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    dout: torch.Tensor | None = None
+    dq: torch.Tensor | None = None
+
+    def zeros(self) -> tuple[torch.Tensor, torch.Tensor]:
+        b, n, h, d = self.q.shape
+        return (
+            torch.zeros(b, n, h, d, dtype=self.acc, device=self.q.device),
+            torch.full((b, h, n), float("-inf"), dtype=self.acc, device=self.q.device),
+        )
+
+    def merge(self, rows: slice, out_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
+        if self.out is None and _covers(rows, self.q.shape[1]):
+            self.out, self.lse = out_blk.contiguous(), lse_blk.contiguous()
+            return
+        if self.out is None:
+            self.out, self.lse = self.zeros()
+        merge_attn_(self.out, self.lse, out_blk, lse_blk, rows=rows)
+
+
+class _PairWork:
+    """The work of one ring step for (this rank's queries, one K/V block): the one interface the
+    engine's forward and backward loops call. Dense: the cached block tasks of the pair, one block
+    kernel call each. Sparse (``_SparsePairWork``): the sparse block kernel on the whole pair."""
+
+    def __init__(self, plan: RingPlan, seq_len: int, scale: float, rows: _Rows, merged: bool) -> None:
+        self.plan, self.seq_len, self.scale, self.rows = plan, seq_len, scale, rows
+        self.q_pos, self.q_doc = _query_meta(plan, seq_len, rows.q.device)
+        self.merged = merged  # sinks are folded in after the loop: never adopt a q.dtype output
+
+    def forward(self, k_blk: torch.Tensor, v_blk: torch.Tensor, owner: int) -> None:
+        plan, q, n = self.plan, self.rows.q, self.rows.q.shape[1]
+        tasks = _cached_tasks(plan, self.seq_len, owner, self.q_pos, self.q_doc)
+        only = _only_call(plan, tasks, n) and not self.merged
+        for task in tasks:
+            out_blk, lse_blk = block_attn_forward(
+                q[:, task.q_rows],
+                k_blk[:, task.k_rows],
+                v_blk[:, task.k_rows],
+                scale=self.scale,
+                mask=task.mask,
+                causal=task.kind is BlockKind.CAUSAL,
+                kernel=plan.kernel,
+                out_dtype=q.dtype if only else None,  # nothing to merge: skip the fp32 round trip
+                softcap=plan.softcap,
+            )
+            self.rows.merge(task.q_rows, out_blk, lse_blk)
+        if plan.work is not None:
+            plan.work.forward_pairs += sum(task.pairs for task in tasks)
+            covered = sum(task.segment_pairs for task in tasks)
+            plan.work.blocks += covered
+            plan.work.skipped_blocks += len(plan.layout.segments(self.seq_len)) ** 2 - covered
+
+    def backward(
+        self, k_blk: torch.Tensor, v_blk: torch.Tensor, owner: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        plan, rows, q = self.plan, self.rows, self.rows.q
+        tasks = _cached_tasks(plan, self.seq_len, owner, self.q_pos, self.q_doc)
+        only = _only_call(plan, tasks, q.shape[1])
+        dk = dv = None
+        for task in tasks:
+            dq_p, dk_p, dv_p = block_attn_backward(
+                rows.dout[:, task.q_rows],
+                q[:, task.q_rows],
+                k_blk[:, task.k_rows],
+                v_blk[:, task.k_rows],
+                rows.out[:, task.q_rows],
+                rows.lse[:, :, task.q_rows],
+                scale=self.scale,
+                mask=task.mask,
+                causal=task.kind is BlockKind.CAUSAL,
+                kernel=plan.kernel,
+                grad_dtype=q.dtype if only else None,
+                softcap=plan.softcap,
+            )
+            rows.dq = _accumulate(rows.dq, dq_p, task.q_rows, q, rows.acc)
+            dk = _accumulate(dk, dk_p, task.k_rows, k_blk, rows.acc)
+            dv = _accumulate(dv, dv_p, task.k_rows, v_blk, rows.acc)
+            if plan.work is not None:
+                plan.work.backward_pairs += task.pairs
+        if dk is None:  # no block of this step was computed
+            dk, dv = torch.zeros_like(k_blk, dtype=rows.acc), torch.zeros_like(v_blk, dtype=rows.acc)
+        return dk, dv
+
+
+class _SparsePairWork(_PairWork):
+    """The sparse ring's step: the whole local query shard against a K/V block, sparse block kernel."""
+
+    def __init__(self, plan: RingPlan, seq_len: int, scale: float, rows: _Rows, merged: bool) -> None:
+        super().__init__(plan, seq_len, scale, rows, merged)
+        _check_sparse(plan, rows.q, seq_len)
+
+    def forward(self, k_blk: torch.Tensor, v_blk: torch.Tensor, owner: int) -> None:
+        plan, q = self.plan, self.rows.q
+        q_pos, k_pos, kw = _sparse_pair(plan, self.seq_len, owner, q.device)
+        out_blk, lse_blk, pairs = sparse_attn_forward(
+            q, k_blk, v_blk, q_pos, k_pos, plan.sparse, scale=self.scale, **kw
+        )
+        if self.rows.out is None:
+            self.rows.out, self.rows.lse = self.rows.zeros()
+        merge_attn_(self.rows.out, self.rows.lse, out_blk, lse_blk)
+        if plan.work is not None:
+            plan.work.forward_pairs += pairs // q.shape[2]
+            plan.work.blocks += 1 if pairs else 0
+            plan.work.skipped_blocks += 0 if pairs else 1
+
+    def backward(
+        self, k_blk: torch.Tensor, v_blk: torch.Tensor, owner: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        plan, rows = self.plan, self.rows
+        q_pos, k_pos, kw = _sparse_pair(plan, self.seq_len, owner, rows.q.device)
+        dq_p, dk, dv = sparse_attn_backward(
+            rows.dout,
+            rows.q,
+            k_blk,
+            v_blk,
+            rows.out,
+            rows.lse,
+            q_pos,
+            k_pos,
+            plan.sparse,
+            scale=self.scale,
+            **kw,
+        )
+        rows.dq = dq_p if rows.dq is None else rows.dq + dq_p
+        return dk, dv
+
+
+def _pair_work(plan: RingPlan, seq_len: int, scale: float, rows: _Rows, merged: bool) -> _PairWork:
+    cls = _PairWork if plan.sparse is None else _SparsePairWork
+    return cls(plan, seq_len, scale, rows, merged)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -448,54 +548,11 @@ class _RingAttention(torch.autograd.Function):
         scale: float,
     ):
         seq_len = _check_inputs(q, k, v, plan, sinks)
-        q_pos, q_doc = _query_meta(plan, seq_len, q.device)
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        b, n, h, d = q.shape
-        out: torch.Tensor | None = None  # the first block covering every row becomes the accumulator
-        lse: torch.Tensor | None = None
-
-        def accumulators() -> tuple[torch.Tensor, torch.Tensor]:
-            return (
-                torch.zeros(b, n, h, d, dtype=acc, device=q.device),
-                torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device),
-            )
-
-        if plan.sparse is not None:
-            _check_sparse(plan, q, seq_len)
-            out, lse = accumulators()
+        rows = _Rows(q, torch.float64 if q.dtype == torch.float64 else torch.float32)
+        work = _pair_work(plan, seq_len, scale, rows, merged=sinks is not None)
         for owner, (k_blk, v_blk) in plan.schedule.forward((k, v)):
-            if plan.sparse is not None:
-                _sparse_step_forward(plan, q, k_blk, v_blk, owner, seq_len, scale, out, lse)
-                continue
-            step_pairs = 0
-            tasks = _cached_tasks(plan, seq_len, owner, q_pos, q_doc)
-            only = _only_call(plan, tasks, n) and sinks is None
-            for task in tasks:
-                out_blk, lse_blk = block_attn_forward(
-                    q[:, task.q_rows],
-                    k_blk[:, task.k_rows],
-                    v_blk[:, task.k_rows],
-                    scale=scale,
-                    mask=task.mask,
-                    causal=task.kind is BlockKind.CAUSAL,
-                    kernel=plan.kernel,
-                    out_dtype=q.dtype if only else None,  # nothing to merge: skip the fp32 round trip
-                    softcap=plan.softcap,
-                )
-                if out is None and _covers(task.q_rows, n):
-                    out, lse = out_blk.contiguous(), lse_blk.contiguous()
-                else:
-                    if out is None:
-                        out, lse = accumulators()
-                    merge_attn_(out, lse, out_blk, lse_blk, rows=task.q_rows)
-                step_pairs += task.pairs
-            if plan.work is not None:
-                plan.work.forward_pairs += step_pairs
-                covered = sum(task.segment_pairs for task in tasks)
-                plan.work.blocks += covered
-                plan.work.skipped_blocks += len(plan.layout.segments(seq_len)) ** 2 - covered
-        if out is None:  # every block was EMPTY (e.g. a shard of padding only)
-            out, lse = accumulators()
+            work.forward(k_blk, v_blk, owner)
+        out, lse = (rows.out, rows.lse) if rows.out is not None else rows.zeros()  # all EMPTY: padding only
         if sinks is not None:  # the backward then sees the FINAL (out, lse), sink included
             out, lse = apply_sink(out, lse, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
@@ -507,50 +564,19 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         plan: RingPlan = ctx.plan
-        q_pos, q_doc = _query_meta(plan, ctx.seq_len, q.device)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        dq = torch.zeros_like(q, dtype=acc) if plan.sparse is not None else None
+        rows = _Rows(q, acc, out=out, lse=lse, dout=dout)
+        work = _pair_work(plan, ctx.seq_len, ctx.scale, rows, merged=sinks is not None)
         steps = plan.schedule.backward((k, v))
         owner, (k_blk, v_blk) = next(steps)
         while True:
-            if plan.sparse is not None:
-                dq_p, dk, dv = _sparse_step_backward(
-                    plan, dout, q, k_blk, v_blk, out, lse, owner, ctx.seq_len, ctx.scale
-                )
-                dq += dq_p
-            else:
-                dk = dv = None
-            tasks = _dense_tasks(plan, ctx.seq_len, owner, q_pos, q_doc)
-            only = _only_call(plan, tasks, q.shape[1])
-            for task in tasks:
-                dq_p, dk_p, dv_p = block_attn_backward(
-                    dout[:, task.q_rows],
-                    q[:, task.q_rows],
-                    k_blk[:, task.k_rows],
-                    v_blk[:, task.k_rows],
-                    out[:, task.q_rows],
-                    lse[:, :, task.q_rows],
-                    scale=ctx.scale,
-                    mask=task.mask,
-                    causal=task.kind is BlockKind.CAUSAL,
-                    kernel=plan.kernel,
-                    grad_dtype=q.dtype if only else None,
-                    softcap=plan.softcap,
-                )
-                dq = _accumulate(dq, dq_p, task.q_rows, q, acc)
-                dk = _accumulate(dk, dk_p, task.k_rows, k_blk, acc)
-                dv = _accumulate(dv, dv_p, task.k_rows, v_blk, acc)
-                if plan.work is not None:
-                    plan.work.backward_pairs += task.pairs
-            if dk is None:  # no block of this step was computed
-                dk, dv = torch.zeros_like(k_blk, dtype=acc), torch.zeros_like(v_blk, dtype=acc)
+            dk, dv = work.backward(k_blk, v_blk, owner)
             try:
                 owner, (k_blk, v_blk) = steps.send((dk, dv))
             except StopIteration as done:
                 dk_local, dv_local = done.value
                 break
-        if dq is None:
-            dq = torch.zeros_like(q, dtype=acc)
+        dq = rows.dq if rows.dq is not None else torch.zeros_like(q, dtype=acc)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             dsinks = sink_grad(dout, out, lse, sinks).to(sinks.dtype)
