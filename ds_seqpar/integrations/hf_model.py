@@ -62,7 +62,7 @@ def text_configs(model: torch.nn.Module) -> list[Any]:
     return [c for c in (model.config, getattr(model.config, "text_config", None)) if c is not None]
 
 
-def refuse_unhonoured_features(model: torch.nn.Module, decoder: torch.nn.Module) -> None:
+def refuse_unhonoured_features(model: torch.nn.Module) -> None:
     """Model-level features the SP loss would silently drop: raise naming them (before any collective)."""
     name = type(model).__name__
     for config in text_configs(model):

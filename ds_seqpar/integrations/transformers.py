@@ -293,14 +293,16 @@ def disable_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
 
 @dataclass(frozen=True)
 class _ModelParts:
-    """The HF model inside a (PEFT) wrapper, its decoder, its logits, and which decoder layer each
-    submodule belongs to (``layer_of``, over ``num_layers`` layers); kept out of the module tree."""
+    """The HF model inside a (PEFT) wrapper, its decoder, its logits, which decoder layer each
+    submodule belongs to (``layer_of``, over ``num_layers`` layers) and the sliding window its config
+    promises (``window``); kept out of the module tree."""
 
     hf: torch.nn.Module
     decoder: torch.nn.Module
     logits: ModelLogits
     layer_of: dict[int, int]
     num_layers: int | None
+    window: int | None
 
 
 def _decoder_layers(decoder: torch.nn.Module, hf: torch.nn.Module) -> tuple[dict[int, int], int | None]:
@@ -342,12 +344,14 @@ class SeqParCausalLM(torch.nn.Module):
         super().__init__()
         hf = unwrap_hf_model(model)
         decoder = decoder_of(hf)
-        refuse_unhonoured_features(hf, decoder)
+        refuse_unhonoured_features(hf)
         refuse_recurrent_layers(hf)
         if getattr(hf, "_ds_seqpar_original_attn", None) is None and not has_routed_layers(hf):
             check_token_locality(hf, decoder)  # one process, before the attention is switched
         self.model = enable_sequence_parallel(model)
-        self._parts = _ModelParts(hf, decoder, ModelLogits(hf, decoder), *_decoder_layers(decoder, hf))
+        self._parts = _ModelParts(
+            hf, decoder, ModelLogits(hf, decoder), *_decoder_layers(decoder, hf), expected_window(hf)
+        )
         self.mesh = mesh
         self.grad_scale = grad_scale
         self.loss_chunk_size = loss_chunk_size
@@ -394,7 +398,7 @@ class SeqParCausalLM(torch.nn.Module):
                 f"{ctx.calls} times for {expected} layers{where}: some attention does not dispatch through "
                 "transformers' attention interface, so it cannot be split over the sequence"
             )
-        window = expected_window(hf)
+        window = self._parts.window
         if window is not None and ctx.windows == 0:
             raise UnsupportedModelError(
                 f"{type(hf).__name__}: config.sliding_window={window} but no attention layer passed a sliding window "
