@@ -64,6 +64,16 @@ def test_flash_op_for_unmasked_half_precision_else_efficient():
     )
 
 
+def test_kernels_without_softcap_never_drop_it():
+    """Called directly (past the dispatcher, which never passes them one), they raise instead of ignoring it."""
+    q = torch.zeros(1, 4, 2, 8)
+    for kernel in (KERNELS["cuda_sdpa"], KERNELS["sdpa"]):
+        with pytest.raises(ValueError, match=r"cannot apply softcap=2.0"):
+            kernel.forward(q, q, q, 0.5, None, False, 2.0)
+        with pytest.raises(ValueError, match=r"cannot apply softcap=2.0"):
+            kernel.backward(q, q, q, q, q, q[:, :, :, 0].transpose(1, 2), 0.5, None, False, 2.0)
+
+
 def test_registry_and_availability():
     assert list(KERNELS) == ["flash_attn", "cuda_sdpa", "sdpa", "torch"]
     assert not KERNELS["cuda_sdpa"].softcap

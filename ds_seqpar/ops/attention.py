@@ -306,6 +306,7 @@ def _sdpa_forward(
     causal: bool,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    cuda_sdpa.refuse_softcap("sdpa", softcap)
     # the op takes fp32, fp64 and bf16 / fp16 natively (fp32 accumulation inside, fp32 lse), like flash-attn
     q_t, k_t, v_t = (x.transpose(1, 2) for x in (q, k, v))
     attn_mask = None if mask is None else _additive(mask, q.dtype)
@@ -330,6 +331,7 @@ def _sdpa_backward(
     causal: bool,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cuda_sdpa.refuse_softcap("sdpa", softcap)
     do_t, q_t, k_t, v_t, o_t = (x.to(q.dtype).transpose(1, 2) for x in (dout, q, k, v, out))
     attn_mask = None if mask is None else _additive(mask, q.dtype)
     grads = getattr(torch.ops.aten, _SDPA_OP + "_backward")(

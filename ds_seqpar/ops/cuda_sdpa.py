@@ -37,6 +37,12 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def refuse_softcap(kernel: str, softcap: float | None) -> None:
+    """Kernels without soft-capping take the argument of the kernel interface but must never drop it."""
+    if softcap is not None:
+        raise ValueError(f"kernel={kernel!r} cannot apply softcap={softcap}; use kernel='auto' or 'torch'")
+
+
 def use_flash(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """Whether a block runs on the flash op (else the efficient op)."""
     d = q.shape[-1]
@@ -77,6 +83,7 @@ def forward(
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [B, Sq, H, D]``, ``k, v [B, Sk, H_kv, D]`` -> ``out [B, Sq, H, D]`` (q.dtype), ``lse [B, H, Sq]`` fp32."""
+    refuse_softcap("cuda_sdpa", softcap)
     aten = torch.ops.aten
     group = q.shape[2] // k.shape[2]
     q_t, k_t, v_t = q.transpose(1, 2), _heads_first(k, group), _heads_first(v, group)
@@ -111,6 +118,7 @@ def backward(
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients given the FINAL ``out [B, Sq, H, D]`` / ``lse [B, H, Sq]`` (finite) of the rows."""
+    refuse_softcap("cuda_sdpa", softcap)
     aten = torch.ops.aten
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
