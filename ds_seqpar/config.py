@@ -50,6 +50,7 @@ SECTION = "sequence_parallel"
 
 LayoutName = Literal["contiguous", "zigzag", "stripe"]
 ScheduleName = Literal["p2p", "all_gather"]
+SparseKernelName = Literal["auto", "triton", "blocks", "masked"]
 AttentionName = Literal["usp", "ulysses", "ring", "sparse_ring"]
 BalancingName = Literal["stripe", "dbsp", "none"]
 KernelName = Literal["auto", "torch", "sdpa", "cuda_sdpa", "flash_attn"]
@@ -137,6 +138,12 @@ class SparseConfig(_Section):
     )
     report_balance: StrictBool = Field(
         True, description="Compute the imbalance ratio rho_s of every sparse layer (ds_seqpar.sparse_stats)."
+    )
+    kernel: SparseKernelName = Field(
+        "auto",
+        description="Sparse block kernel: auto (triton where it runs, else blocks) | triton (block-sparse Triton "
+        "kernel, CUDA, no host sync) | blocks (tile planner over the dense kernel, any device) | masked (dense "
+        "kernel under the token mask, any device, no host sync, O(S^2) work).",
     )
 
     @field_validator("layers")

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # Triton kernels run in its CPU interpreter (set before triton is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from collections.abc import Callable, Iterator
 
 import pytest

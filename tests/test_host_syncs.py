@@ -5,7 +5,8 @@ A ``TorchDispatchMode`` counts every op that makes the host wait for a device va
 data-dependent output shape (``nonzero``, ``masked_select``, ``unique``). The first call of
 ``ds_seqpar.attention`` on a batch builds and caches the block plan (classification, document cuts,
 masks); the second call, forward and backward, must count 0 for dense, packed documents and
-sliding-window attention on P in {2, 4, 8}. Packed documents are also checked for exactness and for
+sliding-window attention on P in {2, 4, 8}, and for the sparse ring's step loop with the sync-free
+sparse kernels (``masked``; ``triton`` under its CPU interpreter). Packed documents are also checked for exactness and for
 the work they save (pairs of different documents are never computed).
 """
 
@@ -18,10 +19,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ds_seqpar
 from ds_seqpar import SeqParMesh, SequenceParallelConfig
-from ds_seqpar.layout import doc_ids_from_cu_seqlens
+from ds_seqpar.layout import SeqLayout, doc_ids_from_cu_seqlens
 from ds_seqpar.ops.masks import MaskSpec, token_mask
 from ds_seqpar.ops.reference import dense_attention_reference
-from ds_seqpar.parallel.ring import WorkCounter
+from ds_seqpar.ops.sparse import VerticalSlashBudget, estimate_pattern, sparse_attention_reference
+from ds_seqpar.ops.sparse_kernels import available_sparse_kernels
+from ds_seqpar.parallel.ring import RingPlan, WorkCounter, build_schedule, ring_attention
 
 aten = torch.ops.aten
 SYNC_OPS = {
@@ -137,3 +140,67 @@ def test_packed_documents_compute_only_their_own_pairs(dist_pool):
     for per_rank in dist_pool(4).run(run_sync_cases, [case]):
         assert per_rank[0]["err"] <= 1e-10, per_rank
         assert per_rank[0]["pairs"] == 16 * 8 * 8, per_rank
+
+
+def _sparse_step(plan: RingPlan, local: list[torch.Tensor], dout: torch.Tensor) -> list[torch.Tensor]:
+    leaves = [t.clone().requires_grad_() for t in local]
+    got, _ = ring_attention(*leaves, plan)
+    got.backward(dout)
+    return [got.detach(), *(t.grad for t in leaves)]
+
+
+def run_sparse_sync_cases(cases: list[dict]) -> list[dict]:
+    """The sparse ring's step loop (pattern given, as after estimation) with a sync-free sparse kernel:
+    host syncs of the second call, forward and backward, and the max error against the reference."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    out = []
+    for i, case in enumerate(cases):
+        mesh = _mesh(world, dict(u=1, layout="stripe"))
+        s, dtype = case["seq_len"], case["dtype"]
+        layout = SeqLayout("stripe", world, 8)
+        g = torch.Generator().manual_seed(50 + i)
+        q, dout = (torch.randn(1, s, 4, 8, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
+        k, v = (torch.randn(1, s, 2, 8, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
+        pos = torch.arange(s)
+        pattern = estimate_pattern(q, k, pos, pos, s, VerticalSlashBudget(0.05, 0.05, 8, 16, 2, 4))
+        docs = doc_ids_from_cu_seqlens(case["cu_seqlens"], s) if case.get("cu_seqlens") else None
+        spec = MaskSpec(window=case.get("window"))
+        plan = RingPlan(
+            build_schedule(mesh, "p2p"), layout, spec, docs, sparse=pattern, sparse_kernel=case["kernel"]
+        )
+        args = (plan, [layout.shard(t, me) for t in (q, k, v)], layout.shard(dout, me))
+        _sparse_step(*args)  # first call: positions and documents of every step cached
+        with SyncCounter() as counter:
+            got = _sparse_step(*args)
+        ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref_out, _ = sparse_attention_reference(*ref, pattern, spec=spec, doc_ids=docs)
+        ref_out.backward(dout.double())
+        want = [ref_out.detach(), *(t.grad for t in ref)]
+        err = max(
+            (a.double() - layout.shard(b, me)).abs().max().item() for a, b in zip(got, want, strict=True)
+        )
+        out.append({"syncs": counter.ops, "err": err})
+    return out
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_sparse_step_loop_has_no_host_sync(dist_pool, p):
+    s = 32 * p
+    docs = [0, 7, s // 2 + 5, s - 3]
+    cases = [
+        dict(kernel="masked", dtype=torch.float64, seq_len=s),
+        dict(kernel="masked", dtype=torch.float64, seq_len=s, window=20, cu_seqlens=docs),
+    ]
+    if sparse_triton_runs():
+        cases.append(dict(kernel="triton", dtype=torch.float32, seq_len=s, window=20, cu_seqlens=docs))
+    results = dist_pool(p).run(run_sparse_sync_cases, cases)
+    for i, case in enumerate(cases):
+        for rank, per_rank in enumerate(results):
+            r = per_rank[i]
+            assert r["syncs"] == [], (case, rank, r["syncs"][:5])
+            assert r["err"] <= (1e-10 if case["dtype"] == torch.float64 else 1e-5), (case, rank, r["err"])
+
+
+def sparse_triton_runs() -> bool:
+    """Whether the triton sparse kernel can run on CPU here (the package and its interpreter)."""
+    return "triton" in available_sparse_kernels("cpu", torch.float32)

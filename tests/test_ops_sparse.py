@@ -20,9 +20,9 @@ from ds_seqpar.ops.sparse import (
     estimate_pattern,
     imbalance_ratio,
     sparse_attention_reference,
-    sparse_attn_backward,
     sparse_attn_forward,
 )
+from ds_seqpar.ops.sparse_kernels import SPARSE_KERNELS
 from ds_seqpar.parallel.activation import sparse_layer_active
 from ds_seqpar.parallel.sparse_ring import balance_blocks, balance_heads, block_owner
 
@@ -39,8 +39,10 @@ def _budget(block: int) -> VerticalSlashBudget:
     return VerticalSlashBudget(0.04, 0.04, block, last_q=16, sink_tokens=3, local_diagonals=5)
 
 
-def _sharded(q, k, v, dout, pattern, layout, spec=CAUSAL, docs=None):
-    """Run the kernel on every (query shard, key shard) pair of ``layout``; reassemble out, lse, grads."""
+def _sharded(q, k, v, dout, pattern, layout, spec=CAUSAL, docs=None, kernel="blocks", softcap=None):
+    """Run the sparse kernel ``kernel`` (``SPARSE_KERNELS``) on every (query shard, key shard) pair of
+    ``layout``; reassemble out, lse and the gradients."""
+    kern = SPARSE_KERNELS[kernel]
     s = q.shape[1]
     scale = q.shape[-1] ** -0.5
     out, lse = (
@@ -56,7 +58,7 @@ def _sharded(q, k, v, dout, pattern, layout, spec=CAUSAL, docs=None):
         lr = torch.full((q.shape[0], q.shape[2], qp.numel()), float("-inf"), dtype=torch.float64)
         for j in range(layout.world):
             kp = layout.local_positions(s, j)
-            ob, lb, n = sparse_attn_forward(
+            ob, lb, n = kern.forward(
                 q[:, qp],
                 k[:, kp],
                 v[:, kp],
@@ -67,14 +69,15 @@ def _sharded(q, k, v, dout, pattern, layout, spec=CAUSAL, docs=None):
                 spec=spec,
                 q_doc=shard_docs(r),
                 k_doc=shard_docs(j),
+                softcap=softcap,
             )
             merge_attn_(o, lr, ob.double(), lb.double())
-            pairs += n
+            pairs += n or 0
         for j in range(layout.world):
             kp = layout.local_positions(s, j)
-            gq, gk, gv = sparse_attn_backward(
+            gq, gk, gv = kern.backward(
                 dout[:, qp], q[:, qp], k[:, kp], v[:, kp], o.to(q.dtype), lr, qp, kp, pattern,
-                scale=scale, spec=spec, q_doc=shard_docs(r), k_doc=shard_docs(j),
+                scale=scale, spec=spec, q_doc=shard_docs(r), k_doc=shard_docs(j), softcap=softcap,
             )  # fmt: skip
             dq[:, qp] += gq.double()
             dk[:, kp] += gk.double()
@@ -83,9 +86,9 @@ def _sharded(q, k, v, dout, pattern, layout, spec=CAUSAL, docs=None):
     return out, lse, dq, dk, dv, pairs
 
 
-def _reference(q, k, v, dout, pattern, spec=CAUSAL, docs=None):
+def _reference(q, k, v, dout, pattern, spec=CAUSAL, docs=None, softcap=None):
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out, lse = sparse_attention_reference(q64, k64, v64, pattern, spec=spec, doc_ids=docs)
+    out, lse = sparse_attention_reference(q64, k64, v64, pattern, spec=spec, doc_ids=docs, softcap=softcap)
     out.backward(dout.double())
     return out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
 

@@ -84,6 +84,7 @@ def run_ring_cases(cases: list[dict]) -> list[dict]:
             docs,
             work=work,
             sparse=pattern,
+            sparse_kernel=case.get("kernel", "auto"),
         )
         out, _ = ring_attention(ql, kl, vl, plan)
         out.backward(layout.shard(dout, me))
@@ -143,7 +144,7 @@ def run_usp_cases(cases: list[dict]) -> list[dict]:
         sparse_ring.BLOCK_BALANCE_MIN_GAIN = float("-inf") if force else 0.01
         sparse_ring.BLOCK_BALANCE_REWARD = 0.0 if force else 1.0
         sparse = dict(vertical=0.05, slash=0.05, block_size=case["block"], last_q=16, sink_tokens=2)
-        sparse.update(local_diagonals=4, balancing=case["balancing"])
+        sparse.update(local_diagonals=4, balancing=case["balancing"], kernel=case.get("kernel", "auto"))
         ring = {"inner_size": case.get("inner")}
         if case["balancing"] == "none":
             ring["layout"] = case["layout"]
@@ -210,6 +211,23 @@ def _ring_cases(p: int) -> list[dict]:
             cu_seqlens=[0, 9, 16 * p + 3, 32 * p - 5],
         )
     )
+    docs = [0, 9, 16 * p + 3, 32 * p - 5]
+    cases.append(  # the sync-free sparse kernels (ops/sparse_kernels.py); triton under its CPU interpreter
+        dict(
+            layout="stripe",
+            granularity=8,
+            block=8,
+            dtype=torch.float32,
+            h=4,
+            h_kv=2,
+            window=40,
+            cu_seqlens=docs,
+        )
+        | dict(kernel="triton")
+    )
+    cases.append(
+        dict(layout="zigzag", block=8, dtype=torch.float64, h=4, h_kv=1, cu_seqlens=docs, kernel="masked")
+    )
     if p == 8:
         cases += [dict(layout="stripe", granularity=8, block=8, dtype=dt, h=4, h_kv=2, inner=4) for dt in TOL]
         cases.append(dict(layout="zigzag", block=8, dtype=torch.float64, h=4, h_kv=2, inner=2))
@@ -244,6 +262,8 @@ def _usp_cases(p: int) -> list[dict]:
         )
     )
     cases.append(dict(u=1, balancing="dbsp", force_blocks=True, dtype=torch.float64, h=4, h_kv=2))
+    cases.append(dict(u=2, balancing="dbsp", dtype=torch.float32, h=8, h_kv=4, window=20, kernel="triton"))
+    cases.append(dict(u=1, balancing="stripe", dtype=torch.float64, h=4, h_kv=2, kernel="masked"))
     cases.append(dict(u=2, balancing="dbsp", force_blocks=True, dtype=torch.float32, h=8, h_kv=4, window=20))
     if p == 8:
         cases.append(

@@ -60,6 +60,7 @@ __all__ = [
     "VerticalSlashBudget",
     "block_row_work",
     "block_work",
+    "check_pair_shapes",
     "estimate_pattern",
     "imbalance_ratio",
     "sparse_attention_reference",
@@ -461,7 +462,7 @@ def _part_mask(
     return visible
 
 
-def _check(
+def check_pair_shapes(
     q: torch.Tensor,
     k: torch.Tensor,
     q_pos: torch.Tensor,
@@ -469,6 +470,7 @@ def _check(
     pattern: SparsePattern,
     spec: MaskSpec,
 ) -> None:
+    """The checks of one sparse pair that need no host sync (shapes, heads, causality)."""
     if not spec.causal:
         raise ValueError(
             "vertical-slash sparse attention is causal; got MaskSpec(causal=False) - use dense attention"
@@ -483,6 +485,17 @@ def _check(
             f"q_pos / k_pos must be 1-D global positions of the q / k rows; got {tuple(q_pos.shape)} / "
             f"{tuple(k_pos.shape)} for q {tuple(q.shape)}, k {tuple(k.shape)}"
         )
+
+
+def _check(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    pattern: SparsePattern,
+    spec: MaskSpec,
+) -> None:
+    check_pair_shapes(q, k, q_pos, k_pos, pattern, spec)
     if int(k_pos.max()) >= pattern.seq_len or int(q_pos.max()) >= pattern.seq_len:
         raise ValueError(
             f"positions reach {int(max(q_pos.max(), k_pos.max()))} but the pattern covers S={pattern.seq_len}"

@@ -35,7 +35,8 @@ from ds_seqpar.layout import SeqLayout
 from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward
 from ds_seqpar.ops.masks import BlockKind, MaskSpec, classify_block, quick_block_kind
 from ds_seqpar.ops.merge import apply_sink, merge_attn_, sink_grad
-from ds_seqpar.ops.sparse import SparsePattern, sparse_attn_backward, sparse_attn_forward
+from ds_seqpar.ops.sparse import SparsePattern
+from ds_seqpar.ops.sparse_kernels import resolve_sparse_kernel, visible_pairs
 from ds_seqpar.parallel.work import WorkCounter
 
 __all__ = [
@@ -65,6 +66,8 @@ class RingPlan:
             then runs the sparse block kernel on the whole (query shard, key shard) pair instead of
             the dense kernel per segment pair (the sparse ring, docs/sparse.md). Needs causal.
         softcap: None, or c > 0: every score s becomes c·tanh(s / c) before the softmax (Gemma 2).
+        sparse_kernel: the sparse block kernel (``ops/sparse_kernels.py``: ``"auto"``, ``"triton"``,
+            ``"blocks"``, ``"masked"``); used only with ``sparse``.
     """
 
     schedule: Schedule
@@ -75,6 +78,7 @@ class RingPlan:
     work: WorkCounter | None = None
     sparse: SparsePattern | None = None
     softcap: float | None = None
+    sparse_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.sparse is not None and not self.spec.causal:
@@ -489,22 +493,28 @@ class _PairWork:
 
 
 class _SparsePairWork(_PairWork):
-    """The sparse ring's step: the whole local query shard against a K/V block, sparse block kernel."""
+    """The sparse ring's step: the whole local query shard against a K/V block, one sparse kernel call
+    (``ops/sparse_kernels.py``, resolved once per call of the engine)."""
 
     def __init__(self, plan: RingPlan, seq_len: int, scale: float, rows: _Rows, merged: bool) -> None:
         super().__init__(plan, seq_len, scale, rows, merged)
         _check_sparse(plan, rows.q, seq_len)
+        self.kernel = resolve_sparse_kernel(plan.sparse_kernel, rows.q.device, rows.q.dtype)
 
     def forward(self, k_blk: torch.Tensor, v_blk: torch.Tensor, owner: int) -> None:
         plan, q = self.plan, self.rows.q
         q_pos, k_pos, kw = _sparse_pair(plan, self.seq_len, owner, q.device)
-        out_blk, lse_blk, pairs = sparse_attn_forward(
+        out_blk, lse_blk, pairs = self.kernel.forward(
             q, k_blk, v_blk, q_pos, k_pos, plan.sparse, scale=self.scale, **kw
         )
         if self.rows.out is None:
             self.rows.out, self.rows.lse = self.rows.zeros()
         merge_attn_(self.rows.out, self.rows.lse, out_blk, lse_blk)
         if plan.work is not None:
+            if pairs is None:  # a sync-free kernel: count the visible pairs (a diagnostic host sync)
+                pairs = visible_pairs(
+                    q_pos, k_pos, plan.sparse, plan.spec, kw["q_doc"], kw["k_doc"], batch=q.shape[0]
+                )
             plan.work.forward_pairs += pairs // q.shape[2]
             plan.work.blocks += 1 if pairs else 0
             plan.work.skipped_blocks += 0 if pairs else 1
@@ -514,7 +524,7 @@ class _SparsePairWork(_PairWork):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         plan, rows = self.plan, self.rows
         q_pos, k_pos, kw = _sparse_pair(plan, self.seq_len, owner, rows.q.device)
-        dq_p, dk, dv = sparse_attn_backward(
+        dq_p, dk, dv = self.kernel.backward(
             rows.dout,
             rows.q,
             k_blk,

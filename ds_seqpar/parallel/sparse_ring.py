@@ -283,10 +283,11 @@ def sparse_attention(
         ring_layout,
         MaskSpec(causal=True, window=window),
         doc_ids,
-        "auto",
+        cfg.kernel,
         work,
         sparse=pattern.heads(balance.groups[u]),
         softcap=softcap,
+        sparse_kernel=sparse_cfg.kernel,
     )
     q2, k2, v2 = scatter_heads(q, k, v, heads, mesh)
     ring = (mesh.group("ring"), mesh.coords.ring_rank, mesh.comm_stats)

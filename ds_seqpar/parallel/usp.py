@@ -22,6 +22,7 @@ from ds_seqpar.layout import UspLayout, input_layout
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.attention import check_softcap, resolve_kernel
 from ds_seqpar.ops.masks import MaskSpec
+from ds_seqpar.ops.sparse_kernels import resolve_sparse_kernel
 from ds_seqpar.parallel.activation import sparse_layer_active
 from ds_seqpar.parallel.ring import (
     RingPlan,
@@ -160,6 +161,7 @@ def attention(
     if algorithm == "sparse_ring" and causal and sparse_layer_active(cfg.sparse, layer, step):
         from ds_seqpar.parallel.sparse_ring import sparse_attention  # sparse_ring builds on this module
 
+        resolve_sparse_kernel(cfg.sparse.kernel, q.device, q.dtype)  # fails here, not mid-collective
         return sparse_attention(
             q,
             k,
