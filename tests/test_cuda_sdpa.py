@@ -59,6 +59,8 @@ def test_flash_op_for_unmasked_half_precision_else_efficient():
     assert cuda_sdpa.use_flash(q16, None)
     assert not cuda_sdpa.use_flash(q16, torch.ones(1, 8, 8, dtype=torch.bool, device="meta"))
     assert not cuda_sdpa.use_flash(q16.float(), None)
+    assert cuda_sdpa.use_flash(q16, None, causal=True, sk=8)
+    assert not cuda_sdpa.use_flash(q16, None, causal=True, sk=12)  # rectangular causal: top-left needed
     assert not cuda_sdpa.use_flash(
         torch.empty(1, 8, 2, 40, device="meta", dtype=torch.float16)[..., :36], None
     )

@@ -27,9 +27,10 @@ Kernels (one registry, chosen by name or ``"auto"``):
     cuda_sdpa   PyTorch's fused CUDA ops (flash for FULL/CAUSAL fp16/bf16, efficient attention with an
                 additive bias otherwise), forward and backward with the final out/lse (``ops/cuda_sdpa.py``);
                 no softcap
-    flash_attn  flash-attn on CUDA for fp16/bf16: FULL and square causal blocks via the public
-                ``flash_attn_func`` (softcap natively); explicit masks, rectangular causal and the
-                backward (no public entry point takes an external out/lse) run on the torch kernel
+    flash_attn  flash-attn on CUDA for fp16/bf16 (``ops/flash_kernel.py``): FULL and square causal blocks
+                forward and backward through flash-attn's own block functions (softcap natively),
+                packed documents through its varlen pair; explicit masks, rectangular causal and other
+                head dims on cuda_sdpa (the torch kernel with a softcap)
     auto        the first available of flash_attn, cuda_sdpa, sdpa, torch (with softcap: the first that
                 applies it)
 """
@@ -37,27 +38,31 @@ Kernels (one registry, chosen by name or ``"auto"``):
 from __future__ import annotations
 
 import functools
-import importlib.util
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from ds_seqpar.ops import cuda_sdpa
+from ds_seqpar.ops import cuda_sdpa, flash_kernel
 
 __all__ = [
     "KERNELS",
     "AttentionKernel",
+    "Varlen",
     "available_kernels",
     "block_attn_backward",
     "block_attn_forward",
     "check_softcap",
+    "flash_attn_kernel",
+    "kernel_for",
     "resolve_kernel",
     "torch_chunked_kernel",
 ]
 
 NEG_INF = float("-inf")
 DEFAULT_CHUNK = 512
+logger = logging.getLogger("ds_seqpar")
 
 # forward(q, k, v, scale, mask, causal, softcap) -> (out, lse); mask is None or bool [B|1, Sq, Sk];
 # softcap is None or c > 0 (only passed to kernels with ``softcap=True``)
@@ -98,6 +103,22 @@ class AttentionKernel:
     backward: BackwardFn
     unavailable: Callable[[torch.device, torch.dtype], str | None]
     softcap: bool = False
+    varlen: Varlen | None = None
+
+
+@dataclass(frozen=True)
+class Varlen:
+    """A kernel's packed-sequence entry points (flash-attn's varlen functions).
+
+    ``forward(q [T, H, D], k, v [Tk, H_kv, D], cu_q, cu_k [n + 1] int32, max_q, max_k, scale, causal,
+    softcap) -> (out [T, H, D], lse [H, T] fp32)``; ``backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q,
+    max_k, scale, causal, softcap) -> (dq, dk, dv)`` given the FINAL out / lse; ``takes(q)``: whether
+    these inputs fit (else the engine calls ``forward`` per sequence).
+    """
+
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    takes: Callable[[torch.Tensor], bool]
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -342,57 +363,75 @@ def _sdpa_backward(
 
 
 # ----------------------------------------------------------------------------------------------
-# flash_attn: CUDA, fp16/bf16 (untested on CPU-only machines)
+# flash_attn: flash-attn's own forward / backward functions (ops/flash_kernel.py); blocks it cannot
+# take (explicit masks, rectangular causal, head dims other than multiples of 8 up to 256) go to a
+# fallback kernel, cuda_sdpa in the registry (the torch kernel when a softcap is set)
 
 
-def _flash_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
-    if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
-        return "needs CUDA and the flash-attn package"
-    if dtype not in (torch.float16, torch.bfloat16):
-        return f"needs float16/bfloat16 inputs (got {dtype})"
-    return None
-
-
-def _flash_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    mask: torch.Tensor | None,
-    causal: bool,
-    softcap: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _flash_takes(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> bool:
+    """Whether a block runs on flash-attn: no mask, square if causal (flash-attn aligns causal
+    bottom-right, the engine top-left), D % 8 == 0 and D <= 256."""
     d = q.shape[-1]
-    # flash-attn has no arbitrary mask, aligns causal bottom-right, and wants D % 8 == 0, D <= 256.
-    if mask is not None or (causal and q.shape[1] != k.shape[1]) or d % 8 or d > 256:
-        return _torch_forward(q, k, v, scale, mask, causal, softcap, chunk=DEFAULT_CHUNK)
-    from flash_attn import flash_attn_func
+    return mask is None and (not causal or q.shape[1] == k.shape[1]) and d % 8 == 0 and d <= 256
 
-    extra = {} if softcap is None else {"softcap": softcap}  # flash-attn >= 2.6
-    out, lse, _ = flash_attn_func(
-        q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True, **extra
+
+def _other(fallback: AttentionKernel, capped: AttentionKernel, softcap: float | None) -> AttentionKernel:
+    return fallback if softcap is None or fallback.softcap else capped
+
+
+def _flash_forward(q, k, v, scale, mask, causal, softcap=None, *, fallback, capped):
+    if _flash_takes(q, k, mask, causal):
+        return flash_kernel.flash_forward(q, k, v, scale, causal, softcap)
+    return _other(fallback, capped, softcap).forward(q, k, v, scale, mask, causal, softcap)
+
+
+def _flash_backward(dout, q, k, v, out, lse, scale, mask, causal, softcap=None, *, fallback, capped):
+    if _flash_takes(q, k, mask, causal):
+        return flash_kernel.flash_backward(dout, q, k, v, out, lse, scale, causal, softcap)
+    return _other(fallback, capped, softcap).backward(dout, q, k, v, out, lse, scale, mask, causal, softcap)
+
+
+def _flash_varlen_takes(q: torch.Tensor) -> bool:
+    d = q.shape[-1]
+    return flash_kernel.has_varlen() and d % 8 == 0 and d <= 256
+
+
+def flash_attn_kernel(
+    fallback: AttentionKernel,
+    capped: AttentionKernel,
+    unavailable: Callable[[torch.device, torch.dtype], str | None] = flash_kernel.flash_unavailable,
+) -> AttentionKernel:
+    """The ``flash_attn`` kernel with ``fallback`` for the blocks flash-attn cannot take (``capped`` for
+    those with a softcap when ``fallback`` has none). Tests build it with CPU kernels and the CPU
+    stand-in of flash-attn."""
+    extra = dict(fallback=fallback, capped=capped)
+    return AttentionKernel(
+        name="flash_attn",
+        forward=functools.partial(_flash_forward, **extra),
+        backward=functools.partial(_flash_backward, **extra),
+        unavailable=unavailable,
+        softcap=True,
+        varlen=Varlen(
+            flash_kernel.flash_varlen_forward, flash_kernel.flash_varlen_backward, _flash_varlen_takes
+        ),
     )
-    return out.float(), lse.float()
 
+
+_CUDA_SDPA = AttentionKernel(
+    name="cuda_sdpa",
+    forward=cuda_sdpa.forward,
+    backward=cuda_sdpa.backward,
+    unavailable=cuda_sdpa.unavailable,
+)
+_TORCH = torch_chunked_kernel()
 
 KERNELS: dict[str, AttentionKernel] = {
-    "flash_attn": AttentionKernel(
-        name="flash_attn",
-        forward=_flash_forward,
-        backward=functools.partial(_torch_backward, chunk=DEFAULT_CHUNK),
-        unavailable=_flash_unavailable,
-        softcap=True,
-    ),
-    "cuda_sdpa": AttentionKernel(
-        name="cuda_sdpa",
-        forward=cuda_sdpa.forward,
-        backward=cuda_sdpa.backward,
-        unavailable=cuda_sdpa.unavailable,
-    ),
+    "flash_attn": flash_attn_kernel(_CUDA_SDPA, _TORCH),
+    "cuda_sdpa": _CUDA_SDPA,
     "sdpa": AttentionKernel(
         name="sdpa", forward=_sdpa_forward, backward=_sdpa_backward, unavailable=_sdpa_unavailable
     ),
-    "torch": torch_chunked_kernel(),
+    "torch": _TORCH,
 }
 """Registered kernels, in ``auto`` preference order (fastest exact first)."""
 
@@ -423,6 +462,15 @@ def check_softcap(softcap: float | None) -> float | None:
     return float(softcap)
 
 
+@functools.cache
+def _log_auto(device_type: str, dtype: torch.dtype, capped: bool, name: str) -> None:
+    """Say once per (device type, dtype, softcap) which kernel ``auto`` runs as."""
+    logger.info(
+        "ds_seqpar: kernel 'auto' runs as %r on %s %s%s (set sequence_parallel.kernel to choose)",
+        name, device_type, dtype, " with softcap" if capped else "",
+    )  # fmt: skip
+
+
 def _resolve(
     kernel: str | AttentionKernel, device: torch.device, dtype: torch.dtype, softcap: float | None = None
 ) -> AttentionKernel:
@@ -430,7 +478,9 @@ def _resolve(
     if isinstance(kernel, AttentionKernel):
         kern = kernel
     elif kernel == "auto":
-        return KERNELS[available_kernels(device, dtype, capped)[0]]
+        chosen = available_kernels(device, dtype, capped)[0]
+        _log_auto(device.type, dtype, capped, chosen)
+        return KERNELS[chosen]
     elif kernel in KERNELS:
         kern = KERNELS[kernel]
     else:
@@ -442,6 +492,17 @@ def _resolve(
         valid = ", ".join(["auto", *available_kernels(device, dtype, capped)])
         raise ValueError(f"kernel={kern.name!r} {reason}; valid here ({device.type}, {dtype}): {valid}")
     return kern
+
+
+def kernel_for(
+    kernel: str | AttentionKernel,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    softcap: float | None = None,
+) -> AttentionKernel:
+    """The kernel object ``kernel`` (a name, ``"auto"`` or an :class:`AttentionKernel`) runs as; ValueError
+    if it cannot run (resolve once per call, then pass the object to the block functions)."""
+    return _resolve(kernel, torch.device(device), dtype, check_softcap(softcap))
 
 
 def resolve_kernel(

@@ -2,8 +2,9 @@
 
 Works on any CUDA machine with no extra package. Per block (see ``ops/attention.py`` for the contract):
 
-    FULL / CAUSAL, fp16 / bf16, D % 8 == 0, D <= 256   aten._scaled_dot_product_flash_attention(+_backward)
-    PARTIAL (explicit mask), fp32, other head dims      aten._scaled_dot_product_efficient_attention(+_backward)
+    FULL / square CAUSAL, fp16 / bf16, D % 8 == 0, D <= 256   aten._scaled_dot_product_flash_attention(+_backward)
+    PARTIAL (explicit mask), rectangular causal, fp32,          aten._scaled_dot_product_efficient_attention
+    other head dims                                             (+_backward)
                                                         with the mask as an additive bias
 
 Both backward ops take the output and log-sum-exp as inputs, so the engine passes the FINAL (merged
@@ -43,10 +44,12 @@ def refuse_softcap(kernel: str, softcap: float | None) -> None:
         raise ValueError(f"kernel={kernel!r} cannot apply softcap={softcap}; use kernel='auto' or 'torch'")
 
 
-def use_flash(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Whether a block runs on the flash op (else the efficient op)."""
+def use_flash(q: torch.Tensor, mask: torch.Tensor | None, causal: bool = False, sk: int | None = None) -> bool:
+    """Whether a block runs on the flash op (else the efficient op). A rectangular causal block goes to
+    the efficient op: the flash op aligns causality bottom-right, the engine top-left."""
     d = q.shape[-1]
-    return mask is None and q.dtype in FLASH_DTYPES and d % 8 == 0 and d <= 256
+    square = not causal or sk is None or sk == q.shape[1]
+    return mask is None and square and q.dtype in FLASH_DTYPES and d % 8 == 0 and d <= 256
 
 
 def _heads_first(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -88,7 +91,7 @@ def forward(
     group = q.shape[2] // k.shape[2]
     q_t, k_t, v_t = q.transpose(1, 2), _heads_first(k, group), _heads_first(v, group)
     sq = q.shape[1]
-    if use_flash(q, mask):
+    if use_flash(q, mask, causal, k.shape[1]):
         res = aten._scaled_dot_product_flash_attention(q_t, k_t, v_t, 0.0, causal, False, scale=scale)
         out, lse = res[0], res[1]
     else:
@@ -126,7 +129,7 @@ def backward(
     q_t, k_t, v_t = q.transpose(1, 2), _heads_first(k, group), _heads_first(v, group)
     do_t, o_t = (x.to(q.dtype).transpose(1, 2) for x in (dout, out))
     lse = lse.float().contiguous()
-    if use_flash(q, mask):
+    if use_flash(q, mask, causal, sk):
         seed = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout 0: the RNG state is unused
         offset = torch.zeros((), dtype=torch.uint64, device=q.device)
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(

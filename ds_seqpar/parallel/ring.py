@@ -32,7 +32,7 @@ import torch
 
 from ds_seqpar.comm.schedule import SCHEDULES, Schedule, build_schedule
 from ds_seqpar.layout import SeqLayout
-from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward
+from ds_seqpar.ops.attention import AttentionKernel, block_attn_backward, block_attn_forward, kernel_for
 from ds_seqpar.ops.masks import BlockKind, MaskSpec, classify_block, quick_block_kind
 from ds_seqpar.ops.merge import apply_sink, merge_attn_, sink_grad
 from ds_seqpar.ops.sparse import SparsePattern
@@ -126,6 +126,75 @@ def _join_full(tasks: list[_BlockTask], along_keys: bool) -> list[_BlockTask]:
                 )
                 continue
         out.append(task)
+    return out
+
+
+@dataclass(frozen=True)
+class _VarlenTask:
+    """Adjacent tasks of one kind (FULL, or square CAUSAL: the documents of a packed row) run as ONE
+    call of a kernel's varlen entry point: rows ``q_rows`` / ``k_rows`` of every batch row flattened to
+    ``[B·Lq]`` / ``[B·Lk]``, ``cu_q`` / ``cu_k`` (int32, on the device) the sequence boundaries there."""
+
+    q_rows: slice
+    k_rows: slice
+    causal: bool
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    pairs: int
+    segment_pairs: int
+
+
+def _packable(task: _BlockTask) -> bool:
+    return task.mask is None and task.kind in (BlockKind.FULL, BlockKind.CAUSAL)
+
+
+def _pack(run: list[_BlockTask], batch: int, device: torch.device) -> _VarlenTask:
+    q_len = [t.q_rows.stop - t.q_rows.start for t in run]
+    k_len = [t.k_rows.stop - t.k_rows.start for t in run]
+
+    def bounds(lengths: list[int]) -> torch.Tensor:
+        edges = torch.tensor([0] + lengths * batch).cumsum(0)
+        return edges.to(device=device, dtype=torch.int32)
+
+    return _VarlenTask(
+        slice(run[0].q_rows.start, run[-1].q_rows.stop),
+        slice(run[0].k_rows.start, run[-1].k_rows.stop),
+        run[0].kind is BlockKind.CAUSAL,
+        bounds(q_len),
+        bounds(k_len),
+        max(q_len),
+        max(k_len),
+        sum(t.pairs for t in run),
+        sum(t.segment_pairs for t in run),
+    )
+
+
+def _varlen_groups(
+    tasks: list[_BlockTask], batch: int, device: torch.device
+) -> list[_BlockTask | _VarlenTask]:
+    """``tasks`` with every run of >= 2 adjacent packable tasks of one kind (consecutive query rows AND
+    consecutive key rows: the per-document tasks of packed rows) replaced by one :class:`_VarlenTask`."""
+    out: list[_BlockTask | _VarlenTask] = []
+    run: list[_BlockTask] = []
+
+    def flush() -> None:
+        out.extend([_pack(run, batch, device)] if len(run) > 1 else run)
+        run.clear()
+
+    for task in tasks:
+        if run and _packable(task) and task.kind is run[-1].kind:
+            last = run[-1]
+            if last.q_rows.stop == task.q_rows.start and last.k_rows.stop == task.k_rows.start:
+                run.append(task)
+                continue
+        flush()
+        if _packable(task):
+            run.append(task)
+        else:
+            out.append(task)
+    flush()
     return out
 
 
@@ -430,29 +499,48 @@ class _Rows:
 class _PairWork:
     """The work of one ring step for (this rank's queries, one K/V block): the one interface the
     engine's forward and backward loops call. Dense: the cached block tasks of the pair, one block
-    kernel call each. Sparse (``_SparsePairWork``): the sparse block kernel on the whole pair."""
+    kernel call each (runs of per-document tasks as one varlen call when the kernel has one). Sparse
+    (``_SparsePairWork``): the sparse block kernel on the whole pair."""
 
     def __init__(self, plan: RingPlan, seq_len: int, scale: float, rows: _Rows, merged: bool) -> None:
         self.plan, self.seq_len, self.scale, self.rows = plan, seq_len, scale, rows
         self.q_pos, self.q_doc = _query_meta(plan, seq_len, rows.q.device)
         self.merged = merged  # sinks are folded in after the loop: never adopt a q.dtype output
+        q = rows.q
+        self.kernel: AttentionKernel = kernel_for(plan.kernel, q.device, q.dtype, plan.softcap)
+        varlen = self.kernel.varlen
+        self.varlen = varlen is not None and varlen.takes(q)
+
+    def _tasks(self, owner: int) -> list[_BlockTask | _VarlenTask]:
+        plan, q = self.plan, self.rows.q
+        tasks = _cached_tasks(plan, self.seq_len, owner, self.q_pos, self.q_doc)
+        if not self.varlen:
+            return tasks
+        key = ("varlen", self.seq_len, plan.schedule.ring_rank, owner, q.shape[0])
+        return _cached(plan, key, q.device, lambda: _varlen_groups(tasks, q.shape[0], q.device))
 
     def forward(self, k_blk: torch.Tensor, v_blk: torch.Tensor, owner: int) -> None:
         plan, q, n = self.plan, self.rows.q, self.rows.q.shape[1]
-        tasks = _cached_tasks(plan, self.seq_len, owner, self.q_pos, self.q_doc)
+        tasks = self._tasks(owner)
         only = _only_call(plan, tasks, n) and not self.merged
         for task in tasks:
-            out_blk, lse_blk = block_attn_forward(
-                q[:, task.q_rows],
-                k_blk[:, task.k_rows],
-                v_blk[:, task.k_rows],
-                scale=self.scale,
-                mask=task.mask,
-                causal=task.kind is BlockKind.CAUSAL,
-                kernel=plan.kernel,
-                out_dtype=q.dtype if only else None,  # nothing to merge: skip the fp32 round trip
-                softcap=plan.softcap,
-            )
+            if isinstance(task, _VarlenTask):
+                out_blk, lse_blk = _varlen_forward(
+                    self.kernel, q, k_blk, v_blk, task, self.scale, plan.softcap
+                )
+                out_blk, lse_blk = out_blk.to(self.rows.acc), lse_blk.to(self.rows.acc)
+            else:
+                out_blk, lse_blk = block_attn_forward(
+                    q[:, task.q_rows],
+                    k_blk[:, task.k_rows],
+                    v_blk[:, task.k_rows],
+                    scale=self.scale,
+                    mask=task.mask,
+                    causal=task.kind is BlockKind.CAUSAL,
+                    kernel=self.kernel,
+                    out_dtype=q.dtype if only else None,  # nothing to merge: skip the fp32 round trip
+                    softcap=plan.softcap,
+                )
             self.rows.merge(task.q_rows, out_blk, lse_blk)
         if plan.work is not None:
             plan.work.forward_pairs += sum(task.pairs for task in tasks)
@@ -464,24 +552,29 @@ class _PairWork:
         self, k_blk: torch.Tensor, v_blk: torch.Tensor, owner: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         plan, rows, q = self.plan, self.rows, self.rows.q
-        tasks = _cached_tasks(plan, self.seq_len, owner, self.q_pos, self.q_doc)
+        tasks = self._tasks(owner)
         only = _only_call(plan, tasks, q.shape[1])
         dk = dv = None
         for task in tasks:
-            dq_p, dk_p, dv_p = block_attn_backward(
-                rows.dout[:, task.q_rows],
-                q[:, task.q_rows],
-                k_blk[:, task.k_rows],
-                v_blk[:, task.k_rows],
-                rows.out[:, task.q_rows],
-                rows.lse[:, :, task.q_rows],
-                scale=self.scale,
-                mask=task.mask,
-                causal=task.kind is BlockKind.CAUSAL,
-                kernel=plan.kernel,
-                grad_dtype=q.dtype if only else None,
-                softcap=plan.softcap,
-            )
+            if isinstance(task, _VarlenTask):
+                dq_p, dk_p, dv_p = _varlen_backward(
+                    self.kernel, rows, k_blk, v_blk, task, self.scale, plan.softcap
+                )
+            else:
+                dq_p, dk_p, dv_p = block_attn_backward(
+                    rows.dout[:, task.q_rows],
+                    q[:, task.q_rows],
+                    k_blk[:, task.k_rows],
+                    v_blk[:, task.k_rows],
+                    rows.out[:, task.q_rows],
+                    rows.lse[:, :, task.q_rows],
+                    scale=self.scale,
+                    mask=task.mask,
+                    causal=task.kind is BlockKind.CAUSAL,
+                    kernel=self.kernel,
+                    grad_dtype=q.dtype if only else None,
+                    softcap=plan.softcap,
+                )
             rows.dq = _accumulate(rows.dq, dq_p, task.q_rows, q, rows.acc)
             dk = _accumulate(dk, dk_p, task.k_rows, k_blk, rows.acc)
             dv = _accumulate(dv, dv_p, task.k_rows, v_blk, rows.acc)
@@ -490,6 +583,53 @@ class _PairWork:
         if dk is None:  # no block of this step was computed
             dk, dv = torch.zeros_like(k_blk, dtype=rows.acc), torch.zeros_like(v_blk, dtype=rows.acc)
         return dk, dv
+
+
+def _packed(x: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Rows ``rows`` of ``[B, n, H, D]`` flattened to ``[B·L, H, D]``."""
+    return x[:, rows].reshape(-1, *x.shape[2:])
+
+
+def _varlen_forward(
+    kernel: AttentionKernel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    task: _VarlenTask,
+    scale: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One varlen call for ``task``: ``out [B, Lq, H, D]``, ``lse [B, H, Lq]``."""
+    b, h = q.shape[0], q.shape[2]
+    out, lse = kernel.varlen.forward(
+        _packed(q, task.q_rows), _packed(k, task.k_rows), _packed(v, task.k_rows),
+        task.cu_q, task.cu_k, task.max_q, task.max_k, scale, task.causal, softcap,
+    )  # fmt: skip
+    return out.view(b, -1, h, q.shape[3]), lse.view(h, b, -1).transpose(0, 1)
+
+
+def _varlen_backward(
+    kernel: AttentionKernel,
+    rows: _Rows,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    task: _VarlenTask,
+    scale: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``task`` given the final out / lse of its rows: dq ``[B, Lq, H, D]``, dk, dv ``[B, Lk, H_kv, D]``."""
+    q = rows.q
+    b, h = q.shape[0], q.shape[2]
+    lse = rows.lse[:, :, task.q_rows]
+    empty = lse == float("-inf")  # rows that saw no key anywhere: inert (no host sync)
+    lse = lse.masked_fill(empty, 0.0).transpose(0, 1).reshape(h, -1)
+    dout = rows.dout[:, task.q_rows].masked_fill(empty.transpose(1, 2).unsqueeze(-1), 0.0)
+    dq, dk, dv = kernel.varlen.backward(
+        dout.reshape(-1, h, q.shape[3]), _packed(q, task.q_rows), _packed(k, task.k_rows),
+        _packed(v, task.k_rows), _packed(rows.out, task.q_rows), lse, task.cu_q, task.cu_k, task.max_q,
+        task.max_k, scale, task.causal, softcap,
+    )  # fmt: skip
+    return dq.view(b, -1, *dq.shape[1:]), dk.view(b, -1, *dk.shape[1:]), dv.view(b, -1, *dv.shape[1:])
 
 
 class _SparsePairWork(_PairWork):

@@ -1,5 +1,8 @@
 """flash-attn 2.6 block functions served by PyTorch's CPU flash attention op (see the package docstring).
 
+Windows (``window_size_left/right``, bottom-right aligned like flash-attn) and ``softcap`` run on a
+dense fp64 computation instead of the op; the varlen pair loops over the packed sequences.
+
 Layouts as in flash-attn: q ``[B, Sq, H, D]``, k/v ``[B, Sk, H_kv, D]``, out ``[B, Sq, H, D]``,
 softmax_lse ``[B, H, Sq]`` fp32. GQA (H_kv < H) expands K/V heads for the op and sums their
 gradients back. ``causal`` is top-left aligned for Sq == Sk (the only causal shape peers pass).
@@ -17,12 +20,62 @@ _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 PAIRS = [0]  # score pairs computed, causal-aware (a one-element list so importers see updates)
 
 
-def _refuse(dropout_p: float, window_left: int, window_right: int, softcap: float | None, alibi: Any) -> None:
-    if dropout_p or (window_left, window_right) != (-1, -1) or softcap or alibi is not None:
+def _refuse(dropout_p: float, alibi: Any) -> None:
+    if dropout_p or alibi is not None:
         raise NotImplementedError(
-            "the CPU flash_attn shim serves dropout_p=0, window_size=(-1, -1), softcap=0, alibi_slopes=None only; "
-            f"got dropout_p={dropout_p}, window=({window_left}, {window_right}), softcap={softcap}, alibi={alibi is not None}"
+            "the CPU flash_attn shim serves dropout_p=0 and alibi_slopes=None only; "
+            f"got dropout_p={dropout_p}, alibi={alibi is not None}"
         )
+
+
+def _plain(window_left: int, window_right: int, softcap: float | None) -> bool:
+    """Whether the CPU op serves the call (no window, no softcap)."""
+    return (window_left, window_right) == (-1, -1) and not softcap
+
+
+def _scores(q, k, scale, causal, window_left, window_right, softcap):
+    """fp64 scores ``[B, H, Sq, Sk]`` (soft-capped, hidden pairs -inf) and tanh(s / softcap) (or None)."""
+    rep = q.shape[2] // k.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(rep, dim=2)) * scale
+    t = None
+    if softcap:
+        t = torch.tanh(s / softcap)
+        s = t * softcap
+    sq, sk = q.shape[1], k.shape[1]
+    i = torch.arange(sq)[:, None] + (sk - sq)  # bottom-right alignment
+    j = torch.arange(sk)[None, :]
+    right = 0 if causal else window_right
+    visible = torch.ones(sq, sk, dtype=torch.bool)
+    if right >= 0:
+        visible &= j <= i + right
+    if window_left >= 0:
+        visible &= j >= i - window_left
+    return s.masked_fill(~visible, float("-inf")), t
+
+
+def _math_forward(q, k, v, scale, causal, window_left, window_right, softcap):
+    s, _ = _scores(q, k, scale, causal, window_left, window_right, softcap)
+    lse = torch.logsumexp(s, dim=-1)  # [B, H, Sq]
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    rep = q.shape[2] // k.shape[2]
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v.double().repeat_interleave(rep, dim=2))
+    return out.to(q.dtype), lse
+
+
+def _math_backward(dout, q, k, v, out, lse, scale, causal, window_left, window_right, softcap):
+    s, t = _scores(q, k, scale, causal, window_left, window_right, softcap)
+    p = torch.exp(s - lse.double()[..., None]).nan_to_num(0.0)
+    rep = q.shape[2] // k.shape[2]
+    do, vv = dout.double(), v.double().repeat_interleave(rep, dim=2)
+    kk = k.double().repeat_interleave(rep, dim=2)
+    delta = (do * out.double()).sum(-1).transpose(1, 2)[..., None]  # [B, H, Sq, 1]
+    ds = p * (torch.einsum("bqhd,bkhd->bhqk", do, vv) - delta)
+    if t is not None:
+        ds = ds * (1.0 - t * t)
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.double()) * scale
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
+    return dq, dk, dv
 
 
 def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -56,10 +109,13 @@ def _flash_attn_forward(
     return_softmax: bool = False,
 ):
     """Returns ``(out [B, Sq, H, D], softmax_lse [B, H, Sq] fp32, None, None)`` like flash-attn 2.6.3."""
-    _refuse(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+    _refuse(dropout_p, alibi_slopes)
+    _count(q.shape[1], k.shape[1], q.shape[2], q.shape[0], causal)
+    if not _plain(window_size_left, window_size_right, softcap):
+        out, lse = _math_forward(q, k, v, softmax_scale, causal, window_size_left, window_size_right, softcap)
+        return out, lse.to(_lse_dtype(q)), None, None
     q_t, k_t, v_t, _ = _heads_first(q, k, v)
     out, lse = _FWD(q_t, k_t, v_t, 0.0, causal, scale=softmax_scale)  # lse fp32 for every input dtype
-    _count(q.shape[1], k.shape[1], q.shape[2], q.shape[0], causal)
     return out.transpose(1, 2), lse.to(_lse_dtype(q)), None, None
 
 
@@ -84,7 +140,23 @@ def _flash_attn_backward(
     rng_state: torch.Tensor | None = None,
 ):
     """Writes the gradients into ``dq``, ``dk``, ``dv`` (allocated when None); returns them."""
-    _refuse(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+    _refuse(dropout_p, alibi_slopes)
+    _count(q.shape[1], k.shape[1], q.shape[2], q.shape[0], causal)
+    if not _plain(window_size_left, window_size_right, softcap):
+        gq, gk, gv = _math_backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            softmax_lse,
+            softmax_scale,
+            causal,
+            window_size_left,
+            window_size_right,
+            softcap,
+        )
+        return _store(gq, gk, gv, q, k, v, dq, dk, dv, rep=q.shape[2] // k.shape[2])
     q_t, k_t, v_t, rep = _heads_first(q, k, v)
     grads = _BWD(
         dout.transpose(1, 2),
@@ -98,22 +170,63 @@ def _flash_attn_backward(
         scale=softmax_scale,
     )
     gq, gk, gv = (g.transpose(1, 2) for g in grads)
+    return _store(gq, gk, gv, q, k, v, dq, dk, dv, rep)
+
+
+def _store(gq, gk, gv, q, k, v, dq, dk, dv, rep: int):
+    """Sum repeated K/V heads' gradients, write them into the given buffers (or new ones)."""
     if rep > 1:
         b, s, h, d = gk.shape
         gk = gk.reshape(b, s, h // rep, rep, d).sum(3)
         gv = gv.reshape(b, s, h // rep, rep, d).sum(3)
-    _count(q.shape[1], k.shape[1], q.shape[2], q.shape[0], causal)
     dq = gq.to(q.dtype) if dq is None else dq.copy_(gq)
     dk = gk.to(k.dtype) if dk is None else dk.copy_(gk)
     dv = gv.to(v.dtype) if dv is None else dv.copy_(gv)
     return dq, dk, dv, None
 
 
-def _flash_attn_varlen_forward(*args: Any, **kwargs: Any):
-    raise NotImplementedError("the CPU flash_attn shim does not serve varlen (packed) attention")
+def _spans(cu_q: torch.Tensor, cu_k: torch.Tensor):
+    """``(q rows, k rows)`` slices of every packed sequence."""
+    qs, ks = cu_q.tolist(), cu_k.tolist()
+    return [(slice(qs[i], qs[i + 1]), slice(ks[i], ks[i + 1])) for i in range(len(qs) - 1)]
 
 
-_flash_attn_varlen_backward = _flash_attn_varlen_forward
+def _flash_attn_varlen_forward(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+    window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
+    block_table=None, leftpad_k=None, seqused_k=None,
+):  # fmt: skip
+    """Packed ``q [T, H, D]``, ``k, v [Tk, H_kv, D]`` -> ``(out [T, H, D], softmax_lse [H, T] fp32, None, None)``."""
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=_lse_dtype(q))
+    for rq, rk in _spans(cu_seqlens_q, cu_seqlens_k):
+        o, lse_seq, _, _ = _flash_attn_forward(
+            q[None, rq], k[None, rk], v[None, rk], dropout_p, softmax_scale, causal,
+            window_size_left, window_size_right, softcap, alibi_slopes,
+        )  # fmt: skip
+        out[rq], lse[:, rq] = o[0], lse_seq[0]
+    return out, lse, None, None
+
+
+def _flash_attn_varlen_backward(
+    dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    dropout_p, softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+    alibi_slopes=None, deterministic=False, rng_state=None,
+):  # fmt: skip
+    """Writes the gradients of every packed sequence into ``dq``, ``dk``, ``dv``; returns them."""
+    dq = torch.zeros_like(q) if dq is None else dq.zero_()
+    dk = torch.zeros_like(k) if dk is None else dk.zero_()
+    dv = torch.zeros_like(v) if dv is None else dv.zero_()
+    for rq, rk in _spans(cu_seqlens_q, cu_seqlens_k):
+        gq, gk, gv, _ = _flash_attn_backward(
+            dout[None, rq], q[None, rq], k[None, rk], v[None, rk], out[None, rq], softmax_lse[None, :, rq],
+            None, None, None, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+            alibi_slopes,
+        )  # fmt: skip
+        dq[rq] += gq[0]
+        dk[rk] += gk[0]
+        dv[rk] += gv[0]
+    return dq, dk, dv, None
 
 
 class _FlashAttnFunc(torch.autograd.Function):
@@ -146,6 +259,10 @@ def flash_attn_func(
     return_attn_probs: bool = False,
 ):
     """Differentiable ``flash_attn_func`` on ``[B, S, H, D]`` tensors (CPU op underneath)."""
-    _refuse(dropout_p, window_size[0], window_size[1], softcap, alibi_slopes)
+    _refuse(dropout_p, alibi_slopes)
+    if not _plain(*window_size, softcap):
+        raise NotImplementedError(
+            "the shim's flash_attn_func serves no window or softcap (its block functions do)"
+        )
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     return _FlashAttnFunc.apply(q, k, v, scale, causal)
