@@ -110,54 +110,62 @@ def run_varlen_cases(cases: list[dict]) -> list[dict]:
     world, me = dist.get_world_size(), dist.get_rank()
     mesh = SeqParMesh.build(world, 1)
     kernel = _cpu_flash()
-    calls = {"varlen": 0}
-    original = kernel.varlen.forward
+    calls = {"varlen": 0, "band": 0}
 
-    def counted(*args):
-        calls["varlen"] += 1
-        return original(*args)
+    def counted(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+
+        return call
 
     kernel = attention.AttentionKernel(
         kernel.name, kernel.forward, kernel.backward, kernel.unavailable, kernel.softcap,
-        attention.Varlen(counted, kernel.varlen.backward, kernel.varlen.takes),
+        attention.Varlen(counted("varlen", kernel.varlen.forward), kernel.varlen.backward, kernel.varlen.takes),
+        attention.Band(counted("band", kernel.band.forward), kernel.band.backward, kernel.band.takes),
     )  # fmt: skip
     results = []
     for i, case in enumerate(cases):
         s = case["seq_len"]
         layout = SeqLayout(case["layout"], world)
         q, k, v, dout = _inputs(case["batch"], s, s, 4, case["h_kv"], 16, seed=i)
-        docs = doc_ids_from_cu_seqlens(case["cu_seqlens"], s)
+        docs = doc_ids_from_cu_seqlens(case["cu_seqlens"], s) if case.get("cu_seqlens") else None
         spec = MaskSpec(window=case.get("window"))
         plan = RingPlan(build_schedule(mesh, "p2p"), layout, spec, docs, kernel)
         leaves = [layout.shard(t, me).clone().requires_grad_() for t in (q, k, v)]
-        calls["varlen"] = 0
+        calls.update(varlen=0, band=0)
         out, _ = ring_attention(*leaves, plan)
         out.backward(layout.shard(dout, me))
         pos = torch.arange(s)
         ref = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref_out, _ = dense_attention_reference(*ref, token_mask(pos, pos, spec, docs, docs))
+        mask = token_mask(pos, pos, spec) if docs is None else token_mask(pos, pos, spec, docs, docs)
+        ref_out, _ = dense_attention_reference(*ref, mask)
         ref_out.backward(dout)
         got = [out.detach(), *(t.grad for t in leaves)]
         want = [ref_out.detach(), *(t.grad for t in ref)]
         err = max((a - layout.shard(b, me)).abs().max().item() for a, b in zip(got, want, strict=True))
-        results.append({"err": err, "varlen_calls": calls["varlen"], "pairs": fa.PAIRS[0]})
+        results.append({"err": err, **calls, "pairs": fa.PAIRS[0]})
     return results
 
 
-def test_packed_documents_run_as_varlen_calls(dist_pool):
+def test_packed_documents_and_windows_run_as_varlen_and_band_calls(dist_pool):
     s = 96
     sixteen = list(range(0, s + 1, 6))
     cases = [
         dict(layout="contiguous", seq_len=s, batch=1, h_kv=4, cu_seqlens=sixteen),
         dict(layout="zigzag", seq_len=s, batch=2, h_kv=2, cu_seqlens=[0, 5, 30, 61, 90]),
         dict(layout="contiguous", seq_len=s, batch=2, h_kv=1, cu_seqlens=sixteen, window=4),
+        dict(layout="contiguous", seq_len=s, batch=1, h_kv=2, window=20),
+        dict(layout="zigzag", seq_len=s, batch=2, h_kv=4, window=7),
     ]
     results = dist_pool(2).run(run_varlen_cases, cases)
     for rank, per_rank in enumerate(results):
         for case, r in zip(cases, per_rank, strict=True):
             assert r["err"] <= TOL, (case, rank, r)
         # 16 documents of 6 tokens, 48 per rank: the own step's documents are one varlen call
-        assert per_rank[0]["varlen_calls"] >= 1, per_rank[0]
+        assert per_rank[0]["varlen"] >= 1, per_rank[0]
+        # windows: the blocks they cut are bands, run through flash-attn's window_size without a mask
+        assert all(r["band"] >= 1 for r in per_rank[2:]), per_rank
 
 
 # ---------------------------------------------------------------------------------------------- versions

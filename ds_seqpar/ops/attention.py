@@ -29,8 +29,9 @@ Kernels (one registry, chosen by name or ``"auto"``):
                 no softcap
     flash_attn  flash-attn on CUDA for fp16/bf16 (``ops/flash_kernel.py``): FULL and square causal blocks
                 forward and backward through flash-attn's own block functions (softcap natively),
-                packed documents through its varlen pair; explicit masks, rectangular causal and other
-                head dims on cuda_sdpa (the torch kernel with a softcap)
+                packed documents through its varlen pair, sliding-window bands through its
+                ``window_size``; other masks, rectangular causal and other head dims on cuda_sdpa (the
+                torch kernel with a softcap)
     auto        the first available of flash_attn, cuda_sdpa, sdpa, torch (with softcap: the first that
                 applies it)
 """
@@ -49,6 +50,7 @@ from ds_seqpar.ops import cuda_sdpa, flash_kernel
 __all__ = [
     "KERNELS",
     "AttentionKernel",
+    "Band",
     "Varlen",
     "available_kernels",
     "block_attn_backward",
@@ -104,6 +106,22 @@ class AttentionKernel:
     unavailable: Callable[[torch.device, torch.dtype], str | None]
     softcap: bool = False
     varlen: Varlen | None = None
+    band: Band | None = None
+
+
+@dataclass(frozen=True)
+class Band:
+    """A kernel's sliding-window mode: blocks whose mask is a diagonal band, run without a mask.
+
+    ``forward(q, k, v, scale, band, softcap) -> (out, lse)`` and ``backward(dout, q, k, v, out, lse, scale,
+    band, softcap) -> (dq, dk, dv)`` (FINAL out / lse, finite), shapes as in the block contract; ``band``
+    = ``(left, right)`` >= 0: key j visible to query i iff i + Sk - Sq - left <= j <= i + Sk - Sq + right
+    (flash-attn's ``window_size``); ``takes(q)``: whether these inputs fit.
+    """
+
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    takes: Callable[[torch.Tensor], bool]
 
 
 @dataclass(frozen=True)
@@ -391,9 +409,21 @@ def _flash_backward(dout, q, k, v, out, lse, scale, mask, causal, softcap=None, 
     return _other(fallback, capped, softcap).backward(dout, q, k, v, out, lse, scale, mask, causal, softcap)
 
 
-def _flash_varlen_takes(q: torch.Tensor) -> bool:
+def _flash_head_dim(q: torch.Tensor) -> bool:
     d = q.shape[-1]
-    return flash_kernel.has_varlen() and d % 8 == 0 and d <= 256
+    return d % 8 == 0 and d <= 256
+
+
+def _flash_varlen_takes(q: torch.Tensor) -> bool:
+    return flash_kernel.has_varlen() and _flash_head_dim(q)
+
+
+def _flash_band_forward(q, k, v, scale, band, softcap):
+    return flash_kernel.flash_forward(q, k, v, scale, False, softcap, window=band)
+
+
+def _flash_band_backward(dout, q, k, v, out, lse, scale, band, softcap):
+    return flash_kernel.flash_backward(dout, q, k, v, out, lse, scale, False, softcap, window=band)
 
 
 def flash_attn_kernel(
@@ -414,6 +444,7 @@ def flash_attn_kernel(
         varlen=Varlen(
             flash_kernel.flash_varlen_forward, flash_kernel.flash_varlen_backward, _flash_varlen_takes
         ),
+        band=Band(_flash_band_forward, _flash_band_backward, _flash_head_dim),
     )
 
 

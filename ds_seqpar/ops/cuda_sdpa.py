@@ -44,7 +44,9 @@ def refuse_softcap(kernel: str, softcap: float | None) -> None:
         raise ValueError(f"kernel={kernel!r} cannot apply softcap={softcap}; use kernel='auto' or 'torch'")
 
 
-def use_flash(q: torch.Tensor, mask: torch.Tensor | None, causal: bool = False, sk: int | None = None) -> bool:
+def use_flash(
+    q: torch.Tensor, mask: torch.Tensor | None, causal: bool = False, sk: int | None = None
+) -> bool:
     """Whether a block runs on the flash op (else the efficient op). A rectangular causal block goes to
     the efficient op: the flash op aligns causality bottom-right, the engine top-left."""
     d = q.shape[-1]

@@ -10,6 +10,7 @@ not take is left out, and a required parameter this adapter does not know makes 
 the version in the message. Per block:
 
     FULL / square CAUSAL, fp16 / bf16, D % 8 == 0, D <= 256   flash-attn forward + backward
+    sliding-window bands (the engine's ``band`` tasks)        the same with ``window_size``
     packed documents (engine's varlen groups)                 flash-attn varlen forward + backward
     PARTIAL (mask), rectangular causal, other head dims       ``cuda_sdpa`` (efficient op, additive bias)
     the same with a softcap                                   the chunked torch kernel

@@ -23,6 +23,7 @@ H_kv heads. Communication lives entirely in the schedule; this module never call
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,6 +101,7 @@ class _BlockTask:
     kind: BlockKind
     mask: torch.Tensor | None
     segment_pairs: int = 1
+    band: tuple[int, int] | None = None  # PARTIAL masks that are a diagonal band: flash-style (left, right)
 
     @property
     def pairs(self) -> int:
@@ -198,6 +200,38 @@ def _varlen_groups(
     return out
 
 
+def _trimmed(task: _BlockTask) -> _BlockTask:
+    """A PARTIAL task cut to the bounding box of its visible pairs (rows and keys outside it see nothing:
+    no work for them), with ``band`` set when the box's mask is a diagonal band lo <= j - i <= hi (a
+    sliding window): then ``(left, right)`` in flash-attn's bottom-right convention (key j visible to
+    query i iff i + Sk - Sq - left <= j <= i + Sk - Sq + right) describe it exactly, and kernels with a
+    window mode need no mask (docs/ring.md "Windows"). Host work, done once per plan."""
+    mask = task.mask
+    flat = mask if mask.dim() == 2 else mask.any(0)
+    rows, cols = flat.any(1).nonzero().squeeze(1), flat.any(0).nonzero().squeeze(1)
+    qs, qe, ks, ke = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
+    box = mask[..., qs:qe, ks:ke]
+    band = None
+    if mask.dim() == 2 or bool((box == box[:1]).all()):
+        plain = box if box.dim() == 2 else box[0]
+        diag = (
+            torch.arange(ke - ks, device=mask.device)[None, :]
+            - torch.arange(qe - qs, device=mask.device)[:, None]
+        )
+        lo, hi = int(diag[plain].min()), int(diag[plain].max())
+        if torch.equal(plain, (diag >= lo) & (diag <= hi)):
+            shift = (ke - ks) - (qe - qs)
+            band = (shift - lo, hi - shift)  # both >= 0: the box's last row sees its last key
+    start_q, start_k = task.q_rows.start, task.k_rows.start
+    return dataclasses.replace(
+        task,
+        q_rows=slice(start_q + qs, start_q + qe),
+        k_rows=slice(start_k + ks, start_k + ke),
+        mask=box.contiguous(),
+        band=band,
+    )
+
+
 def _runs(ids: torch.Tensor) -> list[tuple[int, int, int]] | None:
     """``(id, start, end)`` of the runs of equal values of a 1-D tensor, or None when an id other than
     padding (< 0) forms more than one run."""
@@ -248,9 +282,10 @@ def _document_tasks(
         ks, ke = keys[doc]
         kind, mask = classify_block(qp[start:end], kp[ks:ke], plan.spec)
         if kind is not BlockKind.EMPTY:
-            tasks.append(_BlockTask(slice(qa + start, qa + end), slice(ka + ks, ka + ke), kind, mask, 0))
+            task = _BlockTask(slice(qa + start, qa + end), slice(ka + ks, ka + ke), kind, mask, 0)
+            tasks.append(_trimmed(task) if kind is BlockKind.PARTIAL else task)
     if tasks:
-        tasks[0] = _BlockTask(tasks[0].q_rows, tasks[0].k_rows, tasks[0].kind, tasks[0].mask, 1)
+        tasks[0] = dataclasses.replace(tasks[0], segment_pairs=1)
     return tasks
 
 
@@ -294,7 +329,8 @@ def _tasks(plan: RingPlan, seq_len: int, owner: int, q_pos: torch.Tensor, q_doc:
                 if split is not None:
                     tasks += split
                     continue
-            tasks.append(_BlockTask(slice(qa, qb), slice(ka, kb), kind, mask))
+            task = _BlockTask(slice(qa, qb), slice(ka, kb), kind, mask)
+            tasks.append(_trimmed(task) if kind is BlockKind.PARTIAL else task)
     return _join_full(_join_full(tasks, along_keys=True), along_keys=False)
 
 
@@ -508,8 +544,9 @@ class _PairWork:
         self.merged = merged  # sinks are folded in after the loop: never adopt a q.dtype output
         q = rows.q
         self.kernel: AttentionKernel = kernel_for(plan.kernel, q.device, q.dtype, plan.softcap)
-        varlen = self.kernel.varlen
+        varlen, band = self.kernel.varlen, self.kernel.band
         self.varlen = varlen is not None and varlen.takes(q)
+        self.banded = band is not None and band.takes(q)
 
     def _tasks(self, owner: int) -> list[_BlockTask | _VarlenTask]:
         plan, q = self.plan, self.rows.q
@@ -528,6 +565,12 @@ class _PairWork:
                 out_blk, lse_blk = _varlen_forward(
                     self.kernel, q, k_blk, v_blk, task, self.scale, plan.softcap
                 )
+                out_blk, lse_blk = out_blk.to(self.rows.acc), lse_blk.to(self.rows.acc)
+            elif task.band is not None and self.banded:
+                out_blk, lse_blk = self.kernel.band.forward(
+                    q[:, task.q_rows], k_blk[:, task.k_rows], v_blk[:, task.k_rows], self.scale, task.band,
+                    plan.softcap,
+                )  # fmt: skip
                 out_blk, lse_blk = out_blk.to(self.rows.acc), lse_blk.to(self.rows.acc)
             else:
                 out_blk, lse_blk = block_attn_forward(
@@ -560,6 +603,11 @@ class _PairWork:
                 dq_p, dk_p, dv_p = _varlen_backward(
                     self.kernel, rows, k_blk, v_blk, task, self.scale, plan.softcap
                 )
+            elif task.band is not None and self.banded:  # band rows always see a key: lse finite
+                dq_p, dk_p, dv_p = self.kernel.band.backward(
+                    rows.dout[:, task.q_rows], q[:, task.q_rows], k_blk[:, task.k_rows], v_blk[:, task.k_rows],
+                    rows.out[:, task.q_rows], rows.lse[:, :, task.q_rows], self.scale, task.band, plan.softcap,
+                )  # fmt: skip
             else:
                 dq_p, dk_p, dv_p = block_attn_backward(
                     rows.dout[:, task.q_rows],
