@@ -15,10 +15,17 @@ the engine on CPU) so the script cannot rot; CI runs it.
    installed, ``torch``) x block kind (FULL, CAUSAL, PARTIAL with a random mask and a row that sees no
    key, sliding window) x dtype x GQA, forward (out, lse) and backward (dq, dk, dv, with the final
    out/lse of the rows) against the float64 CPU reference; error relative to the reference's max.
-2. **Engine at P = 1** (``engine`` rows): ``ds_seqpar.attention`` on one rank against one call of
+2. **Sparse kernel** (``sparse`` rows): the ``triton`` sparse kernel (fp32, bf16) on one (query shard,
+   key shard) pair (rank 1 of a zigzag layout against every key), with and without window, packed
+   documents with padding and a softcap: out, lse and dq against ``sparse_attention_reference`` in
+   fp64 (dry run: the same kernels under Triton's CPU interpreter, fp32 / fp16, if triton is installed).
+3. **Engine exactness** (``engine_exact`` rows): ``ds_seqpar.attention`` at P = 1 with the default
+   kernel (``auto``: flash-attn when installed) on packed documents (its varlen runs) and a sliding
+   window (its bands), bf16, against the fp64 reference.
+4. **Engine at P = 1** (``engine`` rows): ``ds_seqpar.attention`` on one rank against one call of
    ``torch.nn.functional.scaled_dot_product_attention`` on the whole sequence: fwd+bwd time and peak
    memory, causal, bf16.
-3. **P = N** (``parallel`` rows, under torchrun with N >= 2): USP and ring fwd+bwd time against the
+5. **P = N** (``parallel`` rows, under torchrun with N >= 2): USP and ring fwd+bwd time against the
    single-GPU time / N.
 
 Writes ``benchmarks/results/gpu_check.json`` and ``.md`` (``--out DIR`` elsewhere); finishes in a few
@@ -123,6 +130,99 @@ def kernel_rows(device: str) -> list[dict]:
     return rows
 
 
+def _rel_errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """Max over tensors of max |got - want| / max |want| (non-finite entries must agree and are skipped)."""
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        g, w = g.detach().cpu().double(), w.detach().cpu().double()
+        finite = torch.isfinite(w)
+        if not torch.equal(torch.isfinite(g), finite):
+            return float("inf")
+        scale = w[finite].abs().max().clamp(min=1e-12)
+        worst = max(worst, float((g[finite] - w[finite]).abs().max() / scale))
+    return worst
+
+
+def sparse_rows(device: str) -> list[dict]:
+    """The ``triton`` sparse kernel on one (query shard, key shard) pair against the fp64 reference."""
+    from ds_seqpar.layout import SeqLayout, doc_ids_from_cu_seqlens
+    from ds_seqpar.ops.sparse import VerticalSlashBudget, estimate_pattern, sparse_attention_reference
+    from ds_seqpar.ops.sparse_kernels import SPARSE_KERNELS
+
+    kern = SPARSE_KERNELS["triton"]
+    if kern.unavailable(torch.device(device), torch.float32) is not None:
+        return [{"kernel": "triton", "case": "-", "dtype": "-", "max_rel_err": float("nan"), "ok": True,
+                 "note": kern.unavailable(torch.device(device), torch.float32)}]  # fmt: skip
+    s, h, h_kv, d = (4096, 8, 2, 128) if device == "cuda" else (128, 2, 1, 16)
+    layout = SeqLayout("zigzag", 2)
+    g = torch.Generator().manual_seed(3)
+    q, dout = (torch.randn(1, s, h, d, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, s, h_kv, d, generator=g, dtype=torch.float64) for _ in range(2))
+    pos = torch.arange(s)
+    pattern = estimate_pattern(
+        q, k, pos, pos, s, VerticalSlashBudget(0.05, 0.05, 64 if device == "cuda" else 8)
+    )
+    docs = doc_ids_from_cu_seqlens([0, s // 3, s // 2 + 5, s - 7], s)  # 7 padding tokens at the end
+    rows = []
+    cases = {"plain": (MaskSpec(), None, None), "window+docs+softcap": (MaskSpec(window=s // 8), docs, 20.0)}
+    for name, (spec, doc, cap) in cases.items():
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = sparse_attention_reference(*ref, pattern, spec=spec, doc_ids=doc, softcap=cap)
+        ref_out.backward(dout)
+        qp = layout.local_positions(s, 1)  # rank 1's queries against every key
+        full = [ref_out[:, qp], ref_lse[:, :, qp]]
+        # Triton's interpreter gets bf16 dots wrong (measured: errors ~1e10), so the dry run uses fp16
+        for dtype in (torch.float32, torch.bfloat16 if device == "cuda" else torch.float16):
+            dev = [t.to(device=device, dtype=dtype) for t in (q[:, qp], k, v)]
+            p_dev = type(pattern)(pattern.vertical.to(device), pattern.slash.to(device), pattern.block_size)
+            kw = dict(scale=d**-0.5, spec=spec, softcap=cap, q_doc=None if doc is None else doc[qp].to(device),
+                      k_doc=None if doc is None else doc.to(device))  # fmt: skip
+            posd = (qp.to(device), pos.to(device))
+            out, lse, _ = kern.forward(*dev, *posd, p_dev, **kw)
+            final_out, final_lse = (
+                full[0].to(device),
+                full[1].to(device),
+            )  # keys of every rank: the final rows
+            dq, _, _ = kern.backward(
+                dout[:, qp].to(device=device, dtype=dtype), *dev, final_out, final_lse, *posd, p_dev, **kw
+            )
+            err = _rel_errors([out, lse, dq], [full[0], full[1], ref[0].grad[:, qp]])
+            rows.append({"kernel": "triton", "case": name, "dtype": str(dtype), "max_rel_err": err,
+                         "ok": err <= TOL[dtype], "note": ""})  # fmt: skip
+    return rows
+
+
+def engine_exact_rows(device: str, dtype: torch.dtype) -> list[dict]:
+    """``ds_seqpar.attention`` at P = 1 with the default kernel: packed documents and a window vs fp64."""
+    import ds_seqpar
+    from ds_seqpar.layout import doc_ids_from_cu_seqlens
+    from ds_seqpar.ops.attention import resolve_kernel
+
+    s, h, h_kv, d = (4096, 8, 2, 128) if device == "cuda" else (256, 4, 2, 16)
+    mesh = _mesh(1)
+    docs = doc_ids_from_cu_seqlens([0, s // 8, s // 8 + 1000 % (s // 4), s // 2, s - 33], s)
+    rows = []
+    for name, window, doc in (("packed documents", None, docs), ("sliding window", s // 16, None)):
+        g = torch.Generator().manual_seed(5)
+        q, dout = (torch.randn(1, s, h, d, generator=g, dtype=torch.float64) for _ in range(2))
+        k, v = (torch.randn(1, s, h_kv, d, generator=g, dtype=torch.float64) for _ in range(2))
+        leaves = [t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v)]
+        out = ds_seqpar.attention(
+            *leaves, mesh=mesh, window=window, doc_ids=None if doc is None else doc.to(device)
+        )
+        out.backward(dout.to(device=device, dtype=dtype))
+        pos = torch.arange(s)
+        spec = MaskSpec(window=window)
+        mask = token_mask(pos, pos, spec) if doc is None else token_mask(pos, pos, spec, doc, doc)
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_out, _ = dense_attention_reference(*ref, mask)
+        ref_out.backward(dout)
+        err = _rel_errors([out, *(t.grad for t in leaves)], [ref_out, *(t.grad for t in ref)])
+        rows.append({"case": name, "kernel": resolve_kernel("auto", device, dtype), "dtype": str(dtype),
+                     "max_rel_err": err, "ok": err <= TOL[dtype]})  # fmt: skip
+    return rows
+
+
 def _timed(step, reps: int, cuda: bool) -> float:
     step()
     if cuda:
@@ -217,6 +317,18 @@ def _markdown(result: dict) -> str:
         f"| {r['kernel']} | {r['kind']} | {r['dtype']} | {r['h_kv']} | {r['d']} | {r['max_rel_err']:.2e} | {r['ok']} |"
         for r in result["kernels"]
     ]
+    lines += ["", "## Sparse kernel vs the fp64 reference (out, lse, dq)", ""]
+    lines += ["| kernel | case | dtype | error | ok | note |", "|---|---|---|---|---|---|"]
+    lines += [
+        f"| {r['kernel']} | {r['case']} | {r['dtype']} | {r['max_rel_err']:.2e} | {r['ok']} | {r['note']} |"
+        for r in result["sparse"]
+    ]
+    lines += ["", "## Engine at P = 1 vs the fp64 reference (out and gradients)", ""]
+    lines += ["| case | kernel | dtype | error | ok |", "|---|---|---|---|---|"]
+    lines += [
+        f"| {r['case']} | {r['kernel']} | {r['dtype']} | {r['max_rel_err']:.2e} | {r['ok']} |"
+        for r in result["engine_exact"]
+    ]
     lines += [
         "",
         "## Engine at P = 1 vs one fused call (causal, fwd+bwd)",
@@ -269,7 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {"device_name": torch.cuda.get_device_name() if cuda else "dry run (CPU, meta tensors)",
               "torch": torch.__version__, "world": dist.get_world_size()}  # fmt: skip
     result["kernels"] = kernel_rows("cuda" if cuda else "meta")
+    result["sparse"] = sparse_rows(device)
     dtype = torch.bfloat16 if cuda else torch.float32
+    result["engine_exact"] = engine_exact_rows(device, dtype) if dist.get_rank() == 0 or not cuda else []
     h, d = (32, 128) if cuda else (4, 16)
     seq_lens, reps = ([8192, 32768], 5) if cuda else ([256], 1)
     result["engine"] = (
@@ -284,10 +398,11 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "gpu_check.json").write_text(json.dumps(result, indent=1) + "\n")
         (out / "gpu_check.md").write_text(_markdown(result))
-        bad = [r for r in result["kernels"] if not r["ok"]]
+        bad = [r for key in ("kernels", "sparse", "engine_exact") for r in result[key] if not r["ok"]]
         print(_markdown(result))
         print(
-            f"gpu_check: {len(result['kernels'])} kernel cases, {len(bad)} over tolerance, {result['seconds']:.0f} s; wrote {out}"
+            f"gpu_check: {len(result['kernels']) + len(result['sparse']) + len(result['engine_exact'])} exactness "
+            f"cases, {len(bad)} over tolerance, {result['seconds']:.0f} s; wrote {out}"
         )
     if started_here:
         dist.destroy_process_group()

@@ -7,6 +7,7 @@ the ring engine must issue one kernel call where the mask allows it.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import pytest
@@ -169,3 +170,7 @@ def test_gpu_check_dry_run_runs_every_code_path(dist_pool, tmp_path):
     assert dist_pool(1).run(gpu_check_dry_run, str(tmp_path)) == [0]
     text = (tmp_path / "gpu_check.md").read_text()
     assert "| cuda_sdpa | partial | torch.bfloat16 | 2 | 64 |" in text and "ds_seqpar P=1" in text
+    assert "| packed documents | sdpa | torch.float32 |" in text and "| sliding window |" in text
+    if importlib.util.find_spec("triton") is not None:  # the Triton sparse kernel under its interpreter
+        assert "| triton | window+docs+softcap | torch.float32 |" in text
+    assert "| False |" not in text
