@@ -10,8 +10,11 @@ the reason, never silently dropped.
 
 Suites:
     attention  fwd+bwd of one attention layer, S in {4k, 16k} (64k with --seq-lens), H=8, H_kv in {8, 2},
-               D=64, bf16, P in {2, 4}: time, efficiency vs T_limit, ratio to the fastest peer, bytes
-               sent per rank, work balance, max abs error vs an fp64 single-process reference
+               D=64, bf16 (--dtype fp32: results attention_fp32.*), P in {2, 4}: time, efficiency vs
+               T_limit, ratio to the fastest peer, bytes sent per rank, work balance, max abs error vs an
+               fp64 single-process reference (rows beyond it are timed but marked "wrong result")
+    packed     the same on packed documents (512 + 1024 + 2560, and 16 x 256 tokens at S = 4096), fp32,
+               P in {2, 4}: ds_seqpar vs ring-flash-attn's varlen functions
     e2e        tiny Llama training step, ds_seqpar vs DeepSpeed ALST: tokens/s and peak memory per rank
     memory     largest S whose step fits --budget-mib per rank, at P = 1, 2, 4 (ds_seqpar and ALST)
     sparse     benchmarks.bench_sparse (rho_s per balancing, sparse vs dense time at P=4)
@@ -44,7 +47,7 @@ from benchmarks.suites.attention import REFERENCE_NO_COMM, REFERENCE_ONE_PROCESS
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-SUITES = ("attention", "e2e", "memory", "sparse", "linear")
+SUITES = ("attention", "packed", "e2e", "memory", "sparse", "linear")
 # e2e/memory: large blocks are mmapped and returned on free, so resident memory tracks live tensors
 MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
@@ -90,18 +93,23 @@ def _machine() -> dict:
 # ---------------------------------------------------------------------------------------------- suites
 
 
+def _case(row: dict) -> tuple:
+    """The case a row belongs to: (P, S, H_kv, packed-documents row or None)."""
+    return row["P"], row["S"], row["H_kv"], row.get("docs")
+
+
 def score_attention_rows(rows: list[dict], cores: int) -> dict:
     """Add efficiency, vs ceiling and vs fastest peer to the attention rows, from the two reference rows
-    of the same (P, S, H_kv); return the reference times by (P, S, H_kv, reference name)."""
+    of the same case (P, S, H_kv, documents); return the reference times by (*case, reference name)."""
     refs = {
-        (r["P"], r["S"], r["H_kv"], r["system"]): r["time_s"]
+        (*_case(r), r["system"]): r["time_s"]
         for r in rows
         if r["peer"] == "reference" and r["status"] == "ok"
     }
     for row in rows:
         if row["status"] != "ok" or row["system"] == REFERENCE_ONE_PROCESS:
             continue
-        case = (row["P"], row["S"], row["H_kv"])
+        case = _case(row)
         t_single, ceiling = refs.get((*case, REFERENCE_ONE_PROCESS)), refs.get((*case, REFERENCE_NO_COMM))
         if t_single is None or ceiling is None:
             continue  # a reference failed: nothing to score against
@@ -114,9 +122,7 @@ def score_attention_rows(rows: list[dict], cores: int) -> dict:
         peers = [
             r["time_s"]
             for r in rows
-            if r["status"] == "ok"
-            and r["peer"] not in ("ds_seqpar", "reference")
-            and (r["P"], r["S"], r["H_kv"]) == (row["P"], row["S"], row["H_kv"])
+            if r["status"] == "ok" and r["peer"] not in ("ds_seqpar", "reference") and _case(r) == _case(row)
         ]
         if row["status"] == "ok" and row["peer"] != "reference" and peers:
             row["vs_fastest_peer"] = row["time_s"] / min(peers)
@@ -146,12 +152,37 @@ def suite_attention(args: argparse.Namespace) -> dict:
             "worlds": worlds,
             "T_single_s": {
                 f"P={p} S={s} H_kv={h}": t
-                for (p, s, h, name), t in refs.items()
+                for (p, s, h, _, name), t in refs.items()
                 if name == REFERENCE_ONE_PROCESS
             },
         },
         "rows": rows,
     }
+
+
+def suite_packed(args: argparse.Namespace) -> dict:
+    """Packed documents (``PACKED_ROWS``: 512 + 1024 + 2560 tokens, and 16 equal documents) at S = 4096:
+    ds_seqpar's default and pure ring against ring-flash-attn's varlen functions, fp32 unless --dtype."""
+    seq_len = (args.seq_lens or [4096])[0]
+    worlds = [2] if args.quick else [2, 4]
+    reps = 1 if args.quick else max(args.reps, 15)
+    dtype = args.dtype
+    rows = []
+    for world in worlds:
+        extra = [
+            "--packed",
+            "--seq-lens",
+            str(seq_len),
+            "--kv-heads",
+            "8",
+            "--reps",
+            str(reps),
+            "--dtype",
+            dtype,
+        ]
+        rows += _worker_rows(world, "benchmarks.suites.attention", extra, timeout=args.timeout)
+    score_attention_rows(rows, os.cpu_count() or 1)
+    return {"meta": {"machine": _machine(), "dtype": dtype, "reps": reps, "seq_len": seq_len}, "rows": rows}
 
 
 def suite_e2e(args: argparse.Namespace) -> dict:
@@ -221,14 +252,23 @@ def main() -> None:
     parser.add_argument(
         "--reps", type=int, default=3, help="timed repetitions per case (median; one warm-up first)"
     )
-    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="attention suite dtype")
+    parser.add_argument(
+        "--dtype",
+        choices=["bf16", "fp32"],
+        default=None,
+        help="attention (default bf16) / packed (default fp32) dtype",
+    )
     parser.add_argument("--budget-mib", type=float, default=64.0, help="memory suite: per-rank budget")
     parser.add_argument("--timeout", type=int, default=5400, help="seconds per torchrun launch")
     args = parser.parse_args()
 
     RESULTS.mkdir(exist_ok=True)
+    dtype = args.dtype
     for suite in SUITES if args.suite == "all" else (args.suite,):
-        name = f"{suite}_quick" if args.quick else suite
+        default_dtype = "fp32" if suite == "packed" else "bf16"
+        args.dtype = dtype or default_dtype
+        name = suite + ("" if args.dtype == default_dtype else f"_{args.dtype}")
+        name = f"{name}_quick" if args.quick else name
         if suite in ("sparse", "linear"):
             _existing_bench(f"benchmarks.bench_{suite}", 4, args.quick, args.timeout)
             continue

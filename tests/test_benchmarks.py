@@ -53,10 +53,31 @@ def test_flash_shim_matches_reference(shim, h: int, h_kv: int, causal: bool) -> 
 
 def test_flash_shim_refuses_what_it_does_not_serve(shim) -> None:
     q = torch.randn(1, 8, 2, 4)
-    with pytest.raises(NotImplementedError, match="window_size"):
-        shim._flash_attn_forward(q, q, q, 0.0, 0.5, True, window_size_left=4)
-    with pytest.raises(NotImplementedError, match="varlen"):
-        shim._flash_attn_varlen_forward(q, q, q)
+    with pytest.raises(NotImplementedError, match="dropout_p=0"):
+        shim._flash_attn_forward(q, q, q, 0.1, 0.5, True)
+    with pytest.raises(NotImplementedError, match="alibi"):
+        shim._flash_attn_forward(q, q, q, 0.0, 0.5, True, alibi_slopes=torch.ones(2))
+
+
+@pytest.mark.parametrize(("sq", "sk", "window"), [(6, 10, (-1, -1)), (10, 10, (3, 0)), (4, 9, (2, 1))])
+def test_flash_shim_aligns_causality_and_windows_bottom_right(shim, sq, sk, window) -> None:
+    """flash-attn's convention: key j visible to query i iff i + sk - sq - left <= j <= i + sk - sq + right
+    (causal: right = 0); the shim must match it for rectangular blocks, windows and the varlen pair."""
+    g = torch.Generator().manual_seed(sq * sk)
+    q = torch.randn(1, sq, 2, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, sk, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    causal = window == (-1, -1)
+    i, j = torch.arange(sq)[:, None] + sk - sq, torch.arange(sk)[None, :]
+    left, right = (-1, 0) if causal else window
+    visible = (j <= i + right) & ((j >= i - left) if left >= 0 else True)
+    want, _ = dense_attention_reference(q, k, v, visible, 0.5)
+    out, lse, _, _ = shim._flash_attn_forward(q, k, v, 0.0, 0.5, causal, *window)
+    assert (out - want).abs().max() <= 1e-12
+    packed = [torch.cat([x[0], x[0]]) for x in (q, k, v)]  # two copies as two varlen sequences
+    cu_q, cu_k = torch.tensor([0, sq, 2 * sq]), torch.tensor([0, sk, 2 * sk])
+    out2, lse2, _, _ = shim._flash_attn_varlen_forward(*packed, cu_q, cu_k, sq, sk, 0.0, 0.5, causal, *window)
+    assert (out2 - torch.cat([want[0], want[0]])).abs().max() <= 1e-12
+    assert lse2.shape == (2, 2 * sq) and torch.equal(lse2[:, :sq], lse[0])
 
 
 def sent_bytes_vs_comm_stats(u: int) -> tuple[int, int]:
@@ -151,12 +172,21 @@ def test_attention_rows_are_scored_against_the_references_of_their_own_case() ->
     ]
     refs = score_attention_rows(rows, cores=2)
     ours, ds, one, no_comm = rows[0], rows[1], rows[3], rows[4]
-    assert refs[(4, 4096, 8, REFERENCE_ONE_PROCESS)] == 0.8
+    assert refs[(4, 4096, 8, None, REFERENCE_ONE_PROCESS)] == 0.8
     assert ours["T_limit_s"] == pytest.approx(0.4)  # T_single / min(P, cores) = 0.8 / 2
     assert ours["efficiency"] == pytest.approx(0.8) and ds["efficiency"] == pytest.approx(1.0)
     assert ours["vs_ceiling"] == pytest.approx(0.9) and no_comm["efficiency"] == pytest.approx(0.4 / 0.45)
     assert ours["vs_fastest_peer"] == pytest.approx(1.25)  # references are not peers
     assert "vs_fastest_peer" not in one and "efficiency" not in rows[-1] and "efficiency" not in rows[-2]
+    # packed-documents rows are their own cases: the dense references and peers never score them
+    packed = [dict(row("ds_seqpar auto", "ds_seqpar", 0.2), docs="16 documents"),
+              dict(row("ring-flash-attn llama3 varlen", "ring-flash-attn", 0.25), docs="16 documents"),
+              dict(row(REFERENCE_NO_COMM, "reference", 0.1), docs="16 documents"),
+              dict(row(REFERENCE_ONE_PROCESS, "reference", 0.2), docs="16 documents")]  # fmt: skip
+    score_attention_rows(rows + packed, cores=2)
+    assert packed[0]["vs_fastest_peer"] == pytest.approx(0.8) and packed[0]["vs_ceiling"] == pytest.approx(
+        0.5
+    )
 
 
 def gpu_check_dry_run(out_dir: str) -> int:

@@ -19,6 +19,7 @@ Systems (a builder returns a runner, or raises ``Unsupported`` with the reason):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -217,6 +218,97 @@ def _ring_flash_attn(kind: str, ctx: dict) -> Callable:
     return build
 
 
+# ---------------------------------------------------------------------------------------------- packed rows
+
+PACKED_ROWS = {  # document boundaries as fractions of S (S = 4096: 512 + 1024 + 2560, and 16 x 256)
+    "3 documents (512, 1024, 2560)": [0.0, 0.125, 0.375, 1.0],
+    "16 documents of S/16": [i / 16 for i in range(17)],
+}
+
+
+def _cu(fractions: list[float] | None, seq_len: int) -> list[int] | None:
+    return None if fractions is None else [round(f * seq_len) for f in fractions]
+
+
+def _ds_seqpar_packed(ulysses: int | str, ctx: dict, fractions: list[float]) -> Callable:
+    def build(h: int, h_kv: int):
+        import ds_seqpar
+        from ds_seqpar.layout import doc_ids_from_cu_seqlens
+
+        _run_dense, shard = _ds_seqpar(ulysses, ctx)(h, h_kv)
+        mesh = ctx[f"mesh{_auto(dist.get_world_size(), h, h_kv) if ulysses == 'auto' else ulysses}"]
+        config = mesh.config
+        docs: dict[int, torch.Tensor] = {}
+
+        def run(q, k, v):
+            s = q.shape[1] * dist.get_world_size()
+            if s not in docs:
+                docs[s] = doc_ids_from_cu_seqlens(_cu(fractions, s), s)
+            mesh.config = config
+            return ds_seqpar.attention(q, k, v, mesh=mesh, causal=True, doc_ids=docs[s])
+
+        return run, shard
+
+    build.ulysses, build.chunks = ulysses, "auto"
+    return build
+
+
+def _per_document_zigzag(x: torch.Tensor, cu: list[int], rank: int, world: int) -> torch.Tensor:
+    """ring-flash-attn's varlen zigzag layout: every document split in 2P chunks, chunks r and 2P-1-r."""
+    parts = []
+    for a, b in itertools.pairwise(cu):
+        chunks = x[:, a:b].chunk(2 * world, dim=1)
+        parts += [chunks[rank], chunks[2 * world - 1 - rank]]
+    return torch.cat(parts, dim=1).contiguous()
+
+
+def _ring_flash_attn_varlen(kind: str, ctx: dict, fractions: list[float]) -> Callable:
+    def build(h: int, h_kv: int):
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if ctx["missing"].get("ring_flash_attn"):
+            raise Unsupported(ctx["missing"]["ring_flash_attn"])
+        import ring_flash_attn
+
+        def run(q, k, v):
+            s = q.shape[1] * world
+            cu = torch.tensor(_cu(fractions, s), dtype=torch.int32)
+            if kind == "zigzag":
+                local = cu // world
+                longest = int((local[1:] - local[:-1]).max())
+                out = ring_flash_attn.zigzag_ring_flash_attn_varlen_func(
+                    q[0], k[0], v[0], local, longest, causal=True, group=dist.group.WORLD
+                )
+            else:
+                cu_q, cu_k, max_q, max_k, k_slice = ring_flash_attn.llama3_flash_attn_prepare_cu_seqlens(
+                    cu, True, rank, world
+                )
+                out = ring_flash_attn.llama3_flash_attn_varlen_func(
+                    q[0], k[0], v[0], cu_q, cu_k, max_q, max_k, heads_k_stride=1, local_k_slice=k_slice,
+                    causal=True, group=dist.group.WORLD,
+                )  # fmt: skip
+            return out[None]
+
+        def shard(x: torch.Tensor) -> torch.Tensor:
+            if kind == "zigzag":
+                return _per_document_zigzag(x, _cu(fractions, x.shape[1]), rank, world)
+            return _contiguous(x, rank, world)
+
+        return run, shard
+
+    return build
+
+
+def packed_systems(world: int, ctx: dict, fractions: list[float]) -> list[System]:
+    """The systems of a packed-documents row: ds_seqpar (default and pure ring) and ring-flash-attn's
+    varlen functions (zigzag per document, and the Llama-3 all-gather)."""
+    return [
+        System("ds_seqpar auto", "ds_seqpar", "ds_seqpar.attention(doc_ids=...), ulysses_degree=auto", _ds_seqpar_packed("auto", ctx, fractions)),
+        System(f"ds_seqpar ring 1x{world} zigzag", "ds_seqpar", "U=1, R=P, zigzag, doc_ids", _ds_seqpar_packed(1, ctx, fractions)),
+        System("ring-flash-attn zigzag varlen", "ring-flash-attn", "zigzag_ring_flash_attn_varlen_func (documents zigzagged)", _ring_flash_attn_varlen("zigzag", ctx, fractions)),
+        System("ring-flash-attn llama3 varlen", "ring-flash-attn", "llama3_flash_attn_varlen_func (contiguous shards)", _ring_flash_attn_varlen("llama3", ctx, fractions)),
+    ]  # fmt: skip
+
+
 def systems(world: int, ctx: dict) -> list[System]:
     rows = [
         System(
@@ -292,23 +384,33 @@ def _inputs(seq_len: int, h: int, h_kv: int, d: int, dtype: torch.dtype) -> list
     return [torch.randn(1, seq_len, n, d, generator=g).to(dtype) for n in (h, h_kv, h_kv, h)]
 
 
-def _reference(q, k, v, dout):
-    """Single-process causal attention with gradients, on the full sequence."""
+def _reference(q, k, v, dout, cu: list[int] | None = None):
+    """Single-process causal attention with gradients, on the full sequence (packed documents ``cu``)."""
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
     rep = q.shape[2] // k.shape[2]
+    mask = None
+    if cu is not None:
+        from ds_seqpar.layout import doc_ids_from_cu_seqlens
+        from ds_seqpar.ops.masks import MaskSpec, token_mask
+
+        pos, docs = torch.arange(q.shape[1]), doc_ids_from_cu_seqlens(cu, q.shape[1])
+        mask = token_mask(pos, pos, MaskSpec(), docs, docs)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.repeat_interleave(rep, 2).transpose(1, 2),
         v.repeat_interleave(rep, 2).transpose(1, 2),
-        is_causal=True,
+        attn_mask=mask,
+        is_causal=mask is None,
     ).transpose(1, 2)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _max_error(run: Runner, shard, global_inputs: list[torch.Tensor]) -> float:
+def _max_error(
+    run: Runner, shard, global_inputs: list[torch.Tensor], fractions: list[float] | None = None
+) -> float:
     q, k, v, dout = global_inputs
-    ref = _reference(q.double(), k.double(), v.double(), dout.double())
+    ref = _reference(q.double(), k.double(), v.double(), dout.double(), _cu(fractions, q.shape[1]))
     local = [shard(x).requires_grad_(i < 3) for i, x in enumerate((q, k, v, dout))]
     out = run(*local[:3])
     out.backward(local[3])
@@ -335,12 +437,13 @@ def _prepared(run: Runner, shard, global_inputs) -> Callable[[], None]:
     return step
 
 
+WRONG_ABOVE = {"fp32": 1e-3, "bf16": 0.25}  # max abs error vs fp64 beyond which a row is "wrong result"
 REFERENCE_ONE_PROCESS = "reference: one process"
 REFERENCE_NO_COMM = "reference: no communication"
 
 
 def reference_steps(
-    seq_len: int, h: int, h_kv: int, d: int, dtype: torch.dtype
+    seq_len: int, h: int, h_kv: int, d: int, dtype: torch.dtype, fractions: list[float] | None = None
 ) -> list[tuple[dict, Callable]]:
     """The machine's own numbers, timed round-robin with the systems: the local kernel (sdpa, fwd+bwd,
     causal) and nothing else. ``one process``: rank 0 alone on the whole sequence and all heads
@@ -350,15 +453,20 @@ def reference_steps(
 
     world, rank = dist.get_world_size(), dist.get_rank()
 
+    cu = _cu(fractions, seq_len) or [0, seq_len]
+
     def kernel_step(heads: int, kv_heads: int, active: bool) -> Callable[[], None]:
         g = torch.Generator().manual_seed(seq_len)
         q, dout = (torch.randn(1, seq_len, heads, d, generator=g).to(dtype) for _ in range(2))
         k, v = (torch.randn(1, seq_len, kv_heads, d, generator=g).to(dtype) for _ in range(2))
 
-        def step() -> None:
-            if active:
-                out, lse = block_attn_forward(q, k, v, causal=True, kernel="sdpa", out_dtype=dtype)
-                block_attn_backward(dout, q, k, v, out, lse, causal=True, kernel="sdpa", grad_dtype=dtype)
+        def step() -> None:  # one causal call per document (one for the whole sequence without documents)
+            if not active:
+                return
+            for a, b in itertools.pairwise(cu):
+                qd, kd, vd, dd = (x[:, a:b] for x in (q, k, v, dout))
+                out, lse = block_attn_forward(qd, kd, vd, causal=True, kernel="sdpa", out_dtype=dtype)
+                block_attn_backward(dd, qd, kd, vd, out, lse, causal=True, kernel="sdpa", grad_dtype=dtype)
 
         return step
 
@@ -424,6 +532,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--check-len", type=int, default=512)
     parser.add_argument("--only", default=None, help="comma-separated peers to run (default: all)")
+    parser.add_argument(
+        "--packed", action="store_true", help="packed-documents rows (PACKED_ROWS) at the first --seq-lens"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -434,9 +545,15 @@ def main() -> None:
     only = None if args.only is None else set(args.only.split(","))
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     rows = []
-    for h_kv in args.kv_heads:
+    cases = (
+        [(h_kv, args.seq_lens, None, None) for h_kv in args.kv_heads]
+        if not args.packed
+        else [(args.kv_heads[0], args.seq_lens[:1], name, f) for name, f in PACKED_ROWS.items()]
+    )
+    for h_kv, seq_lens, docs_name, fractions in cases:
         ready = []  # (row base, run, shard) of every system that passed its check
-        for system in systems(world, ctx):
+        listed = systems(world, ctx) if fractions is None else packed_systems(world, ctx, fractions)
+        for system in listed:
             if only is not None and system.peer not in only:
                 continue
             if (
@@ -460,26 +577,30 @@ def main() -> None:
                 "H_kv": h_kv,
                 "D": args.dim,
                 "dtype": args.dtype,
+                "docs": docs_name,
             }
             try:
                 run, shard = system.build(args.heads, h_kv)
                 base["max_abs_err"] = _max_error(
-                    run, shard, _inputs(args.check_len, args.heads, h_kv, args.dim, dtype)
+                    run, shard, _inputs(args.check_len, args.heads, h_kv, args.dim, dtype), fractions
                 )
             except Unsupported as why:
-                rows += [{**base, "S": s, "status": "unsupported", "why": str(why)} for s in args.seq_lens]
+                rows += [{**base, "S": s, "status": "unsupported", "why": str(why)} for s in seq_lens]
                 continue
             except Exception as exc:
                 why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-                rows += [{**base, "S": s, "status": "failed", "why": why} for s in args.seq_lens]
+                rows += [{**base, "S": s, "status": "failed", "why": why} for s in seq_lens]
                 continue
+            if not base["max_abs_err"] <= WRONG_ABOVE[args.dtype]:  # timed, but never a "fastest peer"
+                base["status"] = "wrong result"
+                base["why"] = f"max abs err {base['max_abs_err']:.1e} vs the fp64 reference"
             if system.peer == "ds_seqpar":
                 u = _auto(world, args.heads, h_kv) if system.build.ulysses == "auto" else system.build.ulysses
                 base["detail"] += f" (U={u}, R={world // u})"
             ready.append((base, run, shard))
-        for seq_len in args.seq_lens:
+        for seq_len in seq_lens:
             inputs = _inputs(seq_len, args.heads, h_kv, args.dim, dtype)
-            references = reference_steps(seq_len, args.heads, h_kv, args.dim, dtype)
+            references = reference_steps(seq_len, args.heads, h_kv, args.dim, dtype, fractions)
             bases = [base for base, _, _ in ready] + [
                 {
                     **ref,
@@ -489,6 +610,7 @@ def main() -> None:
                     "H_kv": h_kv,
                     "D": args.dim,
                     "dtype": args.dtype,
+                    "docs": docs_name,
                 }
                 for ref, _ in references
             ]
@@ -498,7 +620,7 @@ def main() -> None:
             for base, result in zip(bases, measure_interleaved(steps, args.reps)):
                 if base["peer"] == "reference":  # no kernel-call counting, no correctness check: no balance
                     result = {k: v for k, v in result.items() if k not in ("balance", "pairs_per_rank_max")}
-                rows.append({**base, "S": seq_len, "status": "ok", **result})
+                rows.append({"status": "ok", **base, "S": seq_len, **result})
                 if rank == 0:
                     err = f"  (err {base['max_abs_err']:.1e})" if "max_abs_err" in base else ""
                     print(

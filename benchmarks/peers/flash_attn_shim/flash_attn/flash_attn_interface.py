@@ -5,7 +5,7 @@ dense fp64 computation instead of the op; the varlen pair loops over the packed 
 
 Layouts as in flash-attn: q ``[B, Sq, H, D]``, k/v ``[B, Sk, H_kv, D]``, out ``[B, Sq, H, D]``,
 softmax_lse ``[B, H, Sq]`` fp32. GQA (H_kv < H) expands K/V heads for the op and sums their
-gradients back. ``causal`` is top-left aligned for Sq == Sk (the only causal shape peers pass).
+gradients back. ``causal`` is bottom-right aligned as in flash-attn (rectangular causal blocks get an explicit mask).
 Every call adds its score pairs to ``PAIRS`` (the suite's per-rank work count).
 """
 
@@ -31,6 +31,17 @@ def _refuse(dropout_p: float, alibi: Any) -> None:
 def _plain(window_left: int, window_right: int, softcap: float | None) -> bool:
     """Whether the CPU op serves the call (no window, no softcap)."""
     return (window_left, window_right) == (-1, -1) and not softcap
+
+
+def _op_causal(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple[bool, torch.Tensor | None]:
+    """``(is_causal, attn_mask)`` for the CPU op: flash-attn aligns causality bottom-right, the op
+    top-left, so a rectangular causal block gets an explicit additive mask instead."""
+    sq, sk = q.shape[1], k.shape[1]
+    if not causal or sq == sk:
+        return causal, None
+    visible = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
+    zero = torch.zeros((), dtype=q.dtype)
+    return False, torch.where(visible, zero, float("-inf"))[None, None]
 
 
 def _scores(q, k, scale, causal, window_left, window_right, softcap):
@@ -115,7 +126,8 @@ def _flash_attn_forward(
         out, lse = _math_forward(q, k, v, softmax_scale, causal, window_size_left, window_size_right, softcap)
         return out, lse.to(_lse_dtype(q)), None, None
     q_t, k_t, v_t, _ = _heads_first(q, k, v)
-    out, lse = _FWD(q_t, k_t, v_t, 0.0, causal, scale=softmax_scale)  # lse fp32 for every input dtype
+    is_causal, mask = _op_causal(q, k, causal)
+    out, lse = _FWD(q_t, k_t, v_t, 0.0, is_causal, attn_mask=mask, scale=softmax_scale)  # lse fp32 (fp64)
     return out.transpose(1, 2), lse.to(_lse_dtype(q)), None, None
 
 
@@ -158,6 +170,7 @@ def _flash_attn_backward(
         )
         return _store(gq, gk, gv, q, k, v, dq, dk, dv, rep=q.shape[2] // k.shape[2])
     q_t, k_t, v_t, rep = _heads_first(q, k, v)
+    is_causal, mask = _op_causal(q, k, causal)
     grads = _BWD(
         dout.transpose(1, 2),
         q_t,
@@ -166,7 +179,8 @@ def _flash_attn_backward(
         out.transpose(1, 2),
         softmax_lse.to(_lse_dtype(q)),
         0.0,
-        causal,
+        is_causal,
+        attn_mask=mask,
         scale=softmax_scale,
     )
     gq, gk, gv = (g.transpose(1, 2) for g in grads)
