@@ -334,7 +334,16 @@ What each peer runs:
 - **DeepSpeed ALST**: `UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", P, 1)` on the same tiny
   Llama (same seed, same batch), contiguous shards with global `position_ids`, the same token-weighted loss.
 
-The attention suite runs in bf16: the ring peers only produce correct gradients in half precision
-(in fp32 `dq_buffer.to(torch.float32)` returns the buffer itself, which the next block overwrites), which is
-also what flash-attn supports. The shim computes bf16 natively, as ds_seqpar's `sdpa` kernel does.
+The attention suite runs in bf16 by default (`--dtype fp32`: `attention_fp32.*`): the ring peers only produce
+correct gradients in half precision (in fp32 `dq_buffer.to(torch.float32)` returns the buffer itself, which the
+next block overwrites), which is also what flash-attn supports. The shim computes bf16 natively, as ds_seqpar's
+`sdpa` kernel does. Every row's output and gradients are checked against an fp64 reference first; a row beyond
+1e-3 (fp32) or 0.25 (bf16) max abs error is timed but listed as "wrong result" and never counts as the fastest peer.
+
+The packed-documents suite (`--suite packed`, fp32 by default, `--dtype bf16`: `packed_bf16.*`) runs one row
+of 512 + 1024 + 2560 tokens and one of 16 equal documents at S = 4096: ds_seqpar with `doc_ids` (default
+`auto` and the pure zigzag ring) against ring-flash-attn's `zigzag_ring_flash_attn_varlen_func` (every document
+zigzagged over the ranks) and `llama3_flash_attn_varlen_func` (contiguous shards, K/V all-gathered), whose
+varlen calls the shim serves per document. Its no-communication reference runs one causal call per document on
+H/P heads per rank.
 """

@@ -24,6 +24,7 @@ from ds_seqpar.ops.masks import MaskSpec, token_mask
 from ds_seqpar.ops.reference import dense_attention_reference
 from ds_seqpar.ops.sparse import VerticalSlashBudget, estimate_pattern, sparse_attention_reference
 from ds_seqpar.ops.sparse_kernels import available_sparse_kernels
+from ds_seqpar.parallel import ring
 from ds_seqpar.parallel.ring import RingPlan, WorkCounter, build_schedule, ring_attention
 
 aten = torch.ops.aten
@@ -74,6 +75,23 @@ def _step(mesh: SeqParMesh, case: dict, local: list[torch.Tensor], dout: torch.T
     return [out.detach(), *(t.grad for t in leaves)]
 
 
+class _Counted:
+    """Wraps ``module.name`` and counts its calls (restore with ``module.name = counted.original``)."""
+
+    def __init__(self, module, name: str) -> None:
+        self.original, self.count = getattr(module, name), 0
+
+    def __call__(self, *args, **kwargs):
+        self.count += 1
+        return self.original(*args, **kwargs)
+
+
+def _count_calls(module, name: str) -> _Counted:
+    counted = _Counted(module, name)
+    setattr(module, name, counted)
+    return counted
+
+
 def run_sync_cases(cases: list[dict]) -> list[dict]:
     """Per case: host syncs of the second (cached) call, max error against the reference, work pairs."""
     world = dist.get_world_size()
@@ -92,8 +110,10 @@ def run_sync_cases(cases: list[dict]) -> list[dict]:
         args = (mesh, case, local, layout.shard(dout, me), docs, work)
         _step(*args)  # builds and caches the block plan of this batch
         work.reset()
+        calls = _count_calls(ring, "block_attn_forward")
         with SyncCounter() as counter:
             got = _step(*args)
+        ring.block_attn_forward = calls.original
         pos = torch.arange(s)
         spec = MaskSpec(window=case.get("window"))
         mask = token_mask(pos, pos, spec) if docs is None else token_mask(pos, pos, spec, docs, docs)
@@ -102,7 +122,7 @@ def run_sync_cases(cases: list[dict]) -> list[dict]:
         ref_out.backward(dout)
         want = [ref_out.detach(), *(t.grad for t in ref)]
         err = max((a - layout.shard(b, me)).abs().max().item() for a, b in zip(got, want, strict=True))
-        out.append({"syncs": counter.ops, "err": err, "pairs": work.forward_pairs})
+        out.append({"syncs": counter.ops, "err": err, "pairs": work.forward_pairs, "calls": calls.count})
     return out
 
 
@@ -133,13 +153,15 @@ def test_no_host_sync_after_the_plan_is_built(dist_pool, p):
 
 
 def test_packed_documents_compute_only_their_own_pairs(dist_pool):
-    """16 documents of 8 tokens at S = 128 on 4 ranks, U = 4 (R = 1, one head per rank): one causal 8 x 8
-    call per document (16 x 64 score pairs per rank), not the 128 x 128 square of a whole-block mask."""
+    """16 documents of 8 tokens at S = 128 on 4 ranks, U = 4 (R = 1, one head per rank): causal 8 x 8
+    blocks per document (16 x 64 score pairs per rank), not the 128 x 128 square of a whole-block mask,
+    and, the documents having equal lengths, all in ONE batched kernel call."""
     s = 128
     case = dict(u=4, layout="zigzag", seq_len=s, cu_seqlens=list(range(0, s + 1, 8)))
     for per_rank in dist_pool(4).run(run_sync_cases, [case]):
         assert per_rank[0]["err"] <= 1e-10, per_rank
         assert per_rank[0]["pairs"] == 16 * 8 * 8, per_rank
+        assert per_rank[0]["calls"] == 1, per_rank
 
 
 def _sparse_step(plan: RingPlan, local: list[torch.Tensor], dout: torch.Tensor) -> list[torch.Tensor]:

@@ -134,8 +134,10 @@ def _join_full(tasks: list[_BlockTask], along_keys: bool) -> list[_BlockTask]:
 @dataclass(frozen=True)
 class _VarlenTask:
     """Adjacent tasks of one kind (FULL, or square CAUSAL: the documents of a packed row) run as ONE
-    call of a kernel's varlen entry point: rows ``q_rows`` / ``k_rows`` of every batch row flattened to
-    ``[B·Lq]`` / ``[B·Lk]``, ``cu_q`` / ``cu_k`` (int32, on the device) the sequence boundaries there."""
+    call: of a kernel's varlen entry point (rows ``q_rows`` / ``k_rows`` of every batch row flattened to
+    ``[B·Lq]`` / ``[B·Lk]``, ``cu_q`` / ``cu_k`` (int32, on the device) the sequence boundaries there), or,
+    when every sequence has ``uniform`` query and key rows, of any kernel with the sequences as batch
+    rows ``[B·n, uniform, H, D]``. ``tasks``: the tasks it replaces (run one by one otherwise)."""
 
     q_rows: slice
     k_rows: slice
@@ -146,6 +148,8 @@ class _VarlenTask:
     max_k: int
     pairs: int
     segment_pairs: int
+    tasks: tuple[_BlockTask, ...]
+    uniform: int
 
 
 def _packable(task: _BlockTask) -> bool:
@@ -170,6 +174,8 @@ def _pack(run: list[_BlockTask], batch: int, device: torch.device) -> _VarlenTas
         max(k_len),
         sum(t.pairs for t in run),
         sum(t.segment_pairs for t in run),
+        tuple(run),
+        q_len[0] if len(set(q_len + k_len)) == 1 else 0,
     )
 
 
@@ -549,12 +555,22 @@ class _PairWork:
         self.banded = band is not None and band.takes(q)
 
     def _tasks(self, owner: int) -> list[_BlockTask | _VarlenTask]:
+        """The pair's calls: runs of per-document tasks grouped (one varlen call with a varlen kernel,
+        else one batched call when the documents have equal lengths), the other tasks one by one."""
         plan, q = self.plan, self.rows.q
         tasks = _cached_tasks(plan, self.seq_len, owner, self.q_pos, self.q_doc)
-        if not self.varlen:
-            return tasks
-        key = ("varlen", self.seq_len, plan.schedule.ring_rank, owner, q.shape[0])
-        return _cached(plan, key, q.device, lambda: _varlen_groups(tasks, q.shape[0], q.device))
+        key = ("groups", self.seq_len, plan.schedule.ring_rank, owner, q.shape[0], self.varlen)
+
+        def build() -> list[_BlockTask | _VarlenTask]:
+            groups = _varlen_groups(tasks, q.shape[0], q.device)
+            if self.varlen:
+                return groups
+            out: list[_BlockTask | _VarlenTask] = []
+            for g in groups:
+                out.extend([g] if not isinstance(g, _VarlenTask) or g.uniform else g.tasks)
+            return out
+
+        return _cached(plan, key, q.device, build)
 
     def forward(self, k_blk: torch.Tensor, v_blk: torch.Tensor, owner: int) -> None:
         plan, q, n = self.plan, self.rows.q, self.rows.q.shape[1]
@@ -562,9 +578,8 @@ class _PairWork:
         only = _only_call(plan, tasks, n) and not self.merged
         for task in tasks:
             if isinstance(task, _VarlenTask):
-                out_blk, lse_blk = _varlen_forward(
-                    self.kernel, q, k_blk, v_blk, task, self.scale, plan.softcap
-                )
+                run = _varlen_forward if self.varlen else _batched_forward
+                out_blk, lse_blk = run(self.kernel, q, k_blk, v_blk, task, self.scale, plan.softcap)
                 out_blk, lse_blk = out_blk.to(self.rows.acc), lse_blk.to(self.rows.acc)
             elif task.band is not None and self.banded:
                 out_blk, lse_blk = self.kernel.band.forward(
@@ -600,9 +615,8 @@ class _PairWork:
         dk = dv = None
         for task in tasks:
             if isinstance(task, _VarlenTask):
-                dq_p, dk_p, dv_p = _varlen_backward(
-                    self.kernel, rows, k_blk, v_blk, task, self.scale, plan.softcap
-                )
+                run = _varlen_backward if self.varlen else _batched_backward
+                dq_p, dk_p, dv_p = run(self.kernel, rows, k_blk, v_blk, task, self.scale, plan.softcap)
             elif task.band is not None and self.banded:  # band rows always see a key: lse finite
                 dq_p, dk_p, dv_p = self.kernel.band.backward(
                     rows.dout[:, task.q_rows], q[:, task.q_rows], k_blk[:, task.k_rows], v_blk[:, task.k_rows],
@@ -678,6 +692,51 @@ def _varlen_backward(
         task.max_k, scale, task.causal, softcap,
     )  # fmt: skip
     return dq.view(b, -1, *dq.shape[1:]), dk.view(b, -1, *dk.shape[1:]), dv.view(b, -1, *dv.shape[1:])
+
+
+def _as_batch(x: torch.Tensor, rows: slice, length: int) -> torch.Tensor:
+    """Rows ``rows`` of ``[B, n, H, D]`` as ``[B·m, length, H, D]`` (m = len(rows) / length sequences)."""
+    return x[:, rows].reshape(-1, length, *x.shape[2:])
+
+
+def _batched_forward(
+    kernel: AttentionKernel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    task: _VarlenTask,
+    scale: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Equal-length sequences as batch rows of one block call: ``out [B, Lq, H, D]``, ``lse [B, H, Lq]``."""
+    b, h, length = q.shape[0], q.shape[2], task.uniform
+    out, lse = block_attn_forward(
+        _as_batch(q, task.q_rows, length), _as_batch(k, task.k_rows, length), _as_batch(v, task.k_rows, length),
+        scale=scale, causal=task.causal, kernel=kernel, softcap=softcap,
+    )  # fmt: skip
+    return out.view(b, -1, h, q.shape[3]), lse.view(b, -1, h, length).transpose(1, 2).reshape(b, h, -1)
+
+
+def _batched_backward(
+    kernel: AttentionKernel,
+    rows: _Rows,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    task: _VarlenTask,
+    scale: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of equal-length sequences run as batch rows: dq ``[B, Lq, H, D]``, dk, dv ``[B, Lk, H_kv, D]``."""
+    q = rows.q
+    b, h, length = q.shape[0], q.shape[2], task.uniform
+    lse = rows.lse[:, :, task.q_rows].reshape(b, h, -1, length).transpose(1, 2).reshape(-1, h, length)
+    dq, dk, dv = block_attn_backward(
+        _as_batch(rows.dout, task.q_rows, length), _as_batch(q, task.q_rows, length),
+        _as_batch(k, task.k_rows, length), _as_batch(v, task.k_rows, length),
+        _as_batch(rows.out, task.q_rows, length), lse, scale=scale, causal=task.causal, kernel=kernel,
+        softcap=softcap,
+    )  # fmt: skip
+    return dq.view(b, -1, *dq.shape[2:]), dk.view(b, -1, *dk.shape[2:]), dv.view(b, -1, *dv.shape[2:])
 
 
 class _SparsePairWork(_PairWork):
