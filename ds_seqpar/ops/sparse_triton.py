@@ -47,6 +47,17 @@ def _tanh(x):
 
 
 @triton.jit
+def _tokens(POS, DOC, doc_stride, b, idx, count, HAS_DOC: tl.constexpr):
+    """Validity, global positions and document ids (-1 when invalid) of the token indices ``idx``."""
+    ok = idx < count
+    pos = tl.load(POS + idx, mask=ok, other=0)
+    doc = pos
+    if HAS_DOC:
+        doc = tl.load(DOC + b * doc_stride + idx, mask=ok, other=-1)
+    return ok, pos, doc
+
+
+@triton.jit
 def _visible(
     q_pos, q_doc, q_ok, k_pos, k_doc, k_ok, slash_row, vert_row, block_size, window,
     HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr,
@@ -92,17 +103,13 @@ def _forward_kernel(
     hk = h // group
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    q_ok = rows < seq_q
+    q_ok, q_pos, q_doc = _tokens(QPOS, QDOC, sqd_b, b, rows, seq_q, HAS_DOC)
     d_ok = dims < head_dim
     q = tl.load(
         Q + b * sq_b + h * sq_h + rows[:, None] * sq_s + dims[None, :],
         mask=q_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    q_pos = tl.load(QPOS + rows, mask=q_ok, other=0)
-    q_doc = q_pos
-    if HAS_DOC:
-        q_doc = tl.load(QDOC + b * sqd_b + rows, mask=q_ok, other=-1)
     slash_row = SLASH + b * ssl_b + h * ssl_h
     vert_row = VERT + b * sve_b + h * sve_h
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -110,11 +117,7 @@ def _forward_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(0, seq_k, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        k_ok = cols < seq_k
-        k_pos = tl.load(KPOS + cols, mask=k_ok, other=0)
-        k_doc = k_pos
-        if HAS_DOC:
-            k_doc = tl.load(KDOC + b * skd_b + cols, mask=k_ok, other=-1)
+        k_ok, k_pos, k_doc = _tokens(KPOS, KDOC, skd_b, b, cols, seq_k, HAS_DOC)
         ok = _visible(
             q_pos,
             q_doc,
@@ -169,7 +172,7 @@ def _dq_kernel(
     hk = h // group
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    q_ok = rows < seq_q
+    q_ok, q_pos, q_doc = _tokens(QPOS, QDOC, sqd_b, b, rows, seq_q, HAS_DOC)
     d_ok = dims < head_dim
     q_off = b * sq_b + h * sq_h + rows[:, None] * sq_s + dims[None, :]
     qd_mask = q_ok[:, None] & d_ok[None, :]
@@ -177,20 +180,12 @@ def _dq_kernel(
     do = tl.load(DO + q_off, mask=qd_mask, other=0.0)
     lse = tl.load(LSE + b * sl_b + h * sl_h + rows, mask=q_ok, other=0.0)
     delta = tl.load(DELTA + b * sl_b + h * sl_h + rows, mask=q_ok, other=0.0)
-    q_pos = tl.load(QPOS + rows, mask=q_ok, other=0)
-    q_doc = q_pos
-    if HAS_DOC:
-        q_doc = tl.load(QDOC + b * sqd_b + rows, mask=q_ok, other=-1)
     slash_row = SLASH + b * ssl_b + h * ssl_h
     vert_row = VERT + b * sve_b + h * sve_h
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(0, seq_k, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        k_ok = cols < seq_k
-        k_pos = tl.load(KPOS + cols, mask=k_ok, other=0)
-        k_doc = k_pos
-        if HAS_DOC:
-            k_doc = tl.load(KDOC + b * skd_b + cols, mask=k_ok, other=-1)
+        k_ok, k_pos, k_doc = _tokens(KPOS, KDOC, skd_b, b, cols, seq_k, HAS_DOC)
         ok = _visible(
             q_pos,
             q_doc,
@@ -235,16 +230,12 @@ def _dkdv_kernel(
     hk = bh % kv_heads
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
-    k_ok = cols < seq_k
+    k_ok, k_pos, k_doc = _tokens(KPOS, KDOC, skd_b, b, cols, seq_k, HAS_DOC)
     d_ok = dims < head_dim
     kv_off = b * sk_b + hk * sk_h + cols[:, None] * sk_s + dims[None, :]
     kv_mask = k_ok[:, None] & d_ok[None, :]
     k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
     v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
-    k_pos = tl.load(KPOS + cols, mask=k_ok, other=0)
-    k_doc = k_pos
-    if HAS_DOC:
-        k_doc = tl.load(KDOC + b * skd_b + cols, mask=k_ok, other=-1)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for j in range(0, group):
@@ -253,11 +244,7 @@ def _dkdv_kernel(
         vert_row = VERT + b * sve_b + h * sve_h
         for start in range(0, seq_q, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
-            q_ok = rows < seq_q
-            q_pos = tl.load(QPOS + rows, mask=q_ok, other=0)
-            q_doc = q_pos
-            if HAS_DOC:
-                q_doc = tl.load(QDOC + b * sqd_b + rows, mask=q_ok, other=-1)
+            q_ok, q_pos, q_doc = _tokens(QPOS, QDOC, sqd_b, b, rows, seq_q, HAS_DOC)
             ok = _visible(
                 q_pos,
                 q_doc,
