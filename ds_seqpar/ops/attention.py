@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from ds_seqpar.ops import cuda_sdpa, flash_kernel
+from ds_seqpar.ops.merge import inert_empty_rows
 
 __all__ = [
     "KERNELS",
@@ -675,8 +676,6 @@ def block_attn_backward(
             k.new_zeros(b, sk, hkv, d, dtype=acc),
         )
     # rows that saw no key anywhere: make them inert instead of NaN (unconditionally: no host sync)
-    empty = lse == NEG_INF
-    lse = lse.masked_fill(empty, 0.0)
-    dout = dout.masked_fill(empty.transpose(1, 2).unsqueeze(-1), 0.0)
+    dout, lse = inert_empty_rows(dout, lse)
     grads = kern.backward(dout, q, k, v, out, lse, d**-0.5 if scale is None else scale, mask, causal, softcap)
     return tuple(g.to(acc) for g in grads)

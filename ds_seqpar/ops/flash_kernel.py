@@ -215,6 +215,46 @@ def _api() -> FlashApi:
     return api
 
 
+def _forward(fn_name: str, lse_shape: tuple[int, ...], softcap: float | None, values: dict[str, Any]):
+    """One forward call of the API function ``fn_name``: ``(out, lse)`` with lse of ``lse_shape``."""
+    api = _api()
+    fn = getattr(api, fn_name)
+    _check_softcap(api, fn, softcap)
+    window = values.pop("window", NO_WINDOW)
+    result = _call(api, fn, {**values, **_window_values(window, softcap)})
+    return result[0], _lse_of(result, lse_shape)
+
+
+def _backward(
+    fn_name: str,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softcap: float | None,
+    values: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One backward call of ``fn_name`` given the FINAL out / lse; the gradients are read from the buffers
+    passed in (2.7+ writes them in place and returns only softmax_d)."""
+    api = _api()
+    fn = getattr(api, fn_name)
+    _check_softcap(api, fn, softcap)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    tensors = dict(
+        dout=dout.to(q.dtype).contiguous(), q=q, k=k, v=v, out=out.to(q.dtype).contiguous(),
+        softmax_lse=_lse_in(lse, q), dq=dq, dk=dk, dv=dv,
+    )  # fmt: skip
+    window = values.pop("window", NO_WINDOW)
+    _call(api, fn, {**tensors, **values, **_window_values(window, softcap)})
+    return dq, dk, dv
+
+
+def _varlen_values(cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int) -> dict[str, Any]:
+    return dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+
+
 def flash_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -226,11 +266,8 @@ def flash_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One flash-attn forward: ``q [B, Sq, H, D]``, ``k, v [B, Sk, H_kv, D]`` -> ``out`` (q.dtype),
     ``lse [B, H, Sq]`` fp32. ``causal`` is bottom-right aligned (the same as top-left when Sq == Sk)."""
-    api = _api()
-    _check_softcap(api, api.forward, softcap)
-    values = dict(q=q, k=k, v=v, softmax_scale=scale, causal=causal, **_window_values(window, softcap))
-    result = _call(api, api.forward, values)
-    return result[0], _lse_of(result, (q.shape[0], q.shape[2], q.shape[1]))
+    values = dict(q=q, k=k, v=v, softmax_scale=scale, causal=causal, window=window)
+    return _forward("forward", (q.shape[0], q.shape[2], q.shape[1]), softcap, values)
 
 
 def flash_backward(
@@ -246,16 +283,8 @@ def flash_backward(
     window: tuple[int, int] = NO_WINDOW,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the FINAL ``out`` and ``lse [B, H, Sq]`` (finite) of its rows."""
-    api = _api()
-    _check_softcap(api, api.backward, softcap)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    values = dict(
-        dout=dout.to(q.dtype).contiguous(), q=q, k=k, v=v, out=out.to(q.dtype).contiguous(),
-        softmax_lse=_lse_in(lse, q), dq=dq, dk=dk, dv=dv, softmax_scale=scale, causal=causal,
-        **_window_values(window, softcap),
-    )  # fmt: skip
-    _call(api, api.backward, values)  # writes dq, dk, dv (2.7+ returns only softmax_d)
-    return dq, dk, dv
+    values = dict(softmax_scale=scale, causal=causal, window=window)
+    return _backward("backward", dout, q, k, v, out, lse, softcap, values)
 
 
 def flash_varlen_forward(
@@ -272,15 +301,10 @@ def flash_varlen_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed sequences: ``q [T, H, D]``, ``k, v [Tk, H_kv, D]``, ``cu_q`` / ``cu_k`` int32 ``[n + 1]`` ->
     ``out [T, H, D]``, ``lse [H, T]`` fp32."""
-    api = _api()
-    fn = api.varlen_forward
-    _check_softcap(api, fn, softcap)
     values = dict(
-        q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-        softmax_scale=scale, causal=causal, **_window_values(NO_WINDOW, softcap),
-    )  # fmt: skip
-    result = _call(api, fn, values)
-    return result[0], _lse_of(result, (q.shape[1], q.shape[0]))
+        q=q, k=k, v=v, softmax_scale=scale, causal=causal, **_varlen_values(cu_q, cu_k, max_q, max_k)
+    )
+    return _forward("varlen_forward", (q.shape[1], q.shape[0]), softcap, values)
 
 
 def flash_varlen_backward(
@@ -299,18 +323,8 @@ def flash_varlen_backward(
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of packed sequences given the FINAL ``out [T, H, D]`` / ``lse [H, T]`` of the rows."""
-    api = _api()
-    fn = api.varlen_backward
-    _check_softcap(api, fn, softcap)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    values = dict(
-        dout=dout.to(q.dtype).contiguous(), q=q, k=k, v=v, out=out.to(q.dtype).contiguous(),
-        softmax_lse=_lse_in(lse, q), dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-        max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=scale, causal=causal,
-        **_window_values(NO_WINDOW, softcap),
-    )  # fmt: skip
-    _call(api, fn, values)
-    return dq, dk, dv
+    values = dict(softmax_scale=scale, causal=causal, **_varlen_values(cu_q, cu_k, max_q, max_k))
+    return _backward("varlen_backward", dout, q, k, v, out, lse, softcap, values)
 
 
 def has_varlen() -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["apply_sink", "merge_attn", "merge_attn_", "sink_grad"]
+__all__ = ["apply_sink", "inert_empty_rows", "merge_attn", "merge_attn_", "sink_grad"]
 
 RowIndex = slice | torch.Tensor
 
@@ -107,3 +107,11 @@ def sink_grad(
     delta = (dout.to(lse_f.dtype) * out_f.to(lse_f.dtype)).sum(-1).transpose(1, 2)  # [B, H, S]
     weight = torch.exp(sink.to(lse_f.dtype).view(1, -1, 1) - lse_f)
     return -(weight * delta).sum(dim=(0, 2))
+
+
+def inert_empty_rows(dout: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows that saw no key anywhere (final lse -inf) made inert for a backward: their lse becomes 0 and
+    their ``dout`` 0, so they contribute nothing instead of NaN. ``dout [B, S, H, D]``, ``lse [B, H, S]``;
+    unconditional (no host sync)."""
+    empty = lse == float("-inf")
+    return dout.masked_fill(empty.transpose(1, 2).unsqueeze(-1), 0.0), lse.masked_fill(empty, 0.0)

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ds_seqpar.ops.merge import inert_empty_rows
+
 __all__ = ["DTYPES", "interpreted", "sparse_triton_backward", "sparse_triton_forward"]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -385,9 +387,8 @@ def sparse_triton_backward(
     q, k, v = (x.contiguous() for x in (q, k, v))
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    empty = lse == float("-inf")  # rows that saw no key anywhere: inert (no host sync)
-    lse = lse.float().masked_fill(empty, 0.0).contiguous()
-    dout = dout.to(q.dtype).masked_fill(empty.transpose(1, 2).unsqueeze(-1), 0.0).contiguous()
+    dout, lse = inert_empty_rows(dout.to(q.dtype), lse.float())
+    dout, lse = dout.contiguous(), lse.contiguous()
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [B, H, Sq], Δ = rowsum(dO·O)
     dq = torch.empty(b, sq, h, d, dtype=torch.float32, device=q.device)
     dk = torch.empty(b, sk, hkv, d, dtype=torch.float32, device=q.device)

@@ -35,7 +35,7 @@ from ds_seqpar.comm.schedule import SCHEDULES, Schedule, build_schedule
 from ds_seqpar.layout import SeqLayout
 from ds_seqpar.ops.attention import AttentionKernel, block_attn_backward, block_attn_forward, kernel_for
 from ds_seqpar.ops.masks import BlockKind, MaskSpec, classify_block, quick_block_kind
-from ds_seqpar.ops.merge import apply_sink, merge_attn_, sink_grad
+from ds_seqpar.ops.merge import apply_sink, inert_empty_rows, merge_attn_, sink_grad
 from ds_seqpar.ops.sparse import SparsePattern
 from ds_seqpar.ops.sparse_kernels import resolve_sparse_kernel, visible_pairs
 from ds_seqpar.parallel.work import WorkCounter
@@ -682,10 +682,8 @@ def _varlen_backward(
     """Gradients of ``task`` given the final out / lse of its rows: dq ``[B, Lq, H, D]``, dk, dv ``[B, Lk, H_kv, D]``."""
     q = rows.q
     b, h = q.shape[0], q.shape[2]
-    lse = rows.lse[:, :, task.q_rows]
-    empty = lse == float("-inf")  # rows that saw no key anywhere: inert (no host sync)
-    lse = lse.masked_fill(empty, 0.0).transpose(0, 1).reshape(h, -1)
-    dout = rows.dout[:, task.q_rows].masked_fill(empty.transpose(1, 2).unsqueeze(-1), 0.0)
+    dout, lse = inert_empty_rows(rows.dout[:, task.q_rows], rows.lse[:, :, task.q_rows])
+    lse = lse.transpose(0, 1).reshape(h, -1)  # [H, B·Lq]
     dq, dk, dv = kernel.varlen.backward(
         dout.reshape(-1, h, q.shape[3]), _packed(q, task.q_rows), _packed(k, task.k_rows),
         _packed(v, task.k_rows), _packed(rows.out, task.q_rows), lse, task.cu_q, task.cu_k, task.max_q,
