@@ -309,7 +309,7 @@ HOW_TO_RUN = """
 ```bash
 bash scripts/install.sh                 # ds_seqpar and its CPU dependencies (.venv)
 bash benchmarks/peers/install.sh        # peers into benchmarks/.peers (yunchang 0.6.4, ring-flash-attn 0.1.8)
-.venv/bin/python -m benchmarks.run --suite all          # or attention | e2e | memory | sparse | linear
+.venv/bin/python -m benchmarks.run --suite all          # or attention | packed | e2e | memory | sparse | linear
 .venv/bin/python -m benchmarks.run --suite attention --quick   # smoke run, results *_quick.*
 ```
 
