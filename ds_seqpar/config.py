@@ -184,6 +184,51 @@ class LinearConfig(_Section):
     chunk_size: StrictInt = Field(64, ge=1, description="Chunk size of the local chunked linear attention.")
 
 
+class MemoryConfig(_Section):
+    """``sequence_parallel.memory``: what trades compute for memory at long sequence lengths (docs/memory.md)."""
+
+    activation_checkpointing: StrictBool = Field(
+        False,
+        description="Checkpoint every decoder layer: keep only its input, recompute it (attention exchange "
+        "included) in backward.",
+    )
+    offload: StrictBool = Field(
+        False,
+        description="Move the checkpointed layer inputs to host memory (pinned, pooled, side-stream copies on "
+        "CUDA; the last layer's input stays on the device). Needs activation_checkpointing.",
+    )
+    tiled_mlp: StrictBool = Field(
+        False,
+        description="Run the position-wise MLP (or MoE block) of every decoder layer over sequence tiles, "
+        "recomputed tile by tile in backward.",
+    )
+    tiled_norms: StrictBool = Field(
+        False,
+        description="Run the norms of every decoder layer and the final norm over sequence tiles the same way "
+        "(they keep their input only).",
+    )
+    mlp_tile_tokens: Annotated[StrictInt, Field(ge=1)] | Literal["auto"] = Field(
+        "auto",
+        description='Tokens per tile of the tiled MLPs and norms; "auto" = max(1024, hidden_size). Needs tiled_mlp '
+        "or tiled_norms.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> MemoryConfig:
+        if self.offload and not self.activation_checkpointing:
+            raise ValueError(
+                "sequence_parallel.memory.offload=true offloads the inputs that activation checkpointing keeps, "
+                "but memory.activation_checkpointing is false; valid: set activation_checkpointing=true, or "
+                "offload=false"
+            )
+        if "mlp_tile_tokens" in self.model_fields_set and not (self.tiled_mlp or self.tiled_norms):
+            raise ValueError(
+                f"sequence_parallel.memory.mlp_tile_tokens={self.mlp_tile_tokens!r} is set but memory.tiled_mlp and "
+                "memory.tiled_norms are false, which ignore it; valid: set tiled_mlp=true, or remove mlp_tile_tokens"
+            )
+        return self
+
+
 class SequenceParallelConfig(_Section):
     """The validated ``sequence_parallel`` section of a DeepSpeed config."""
 
@@ -214,6 +259,10 @@ class SequenceParallelConfig(_Section):
     )
     linear: LinearConfig = Field(
         default_factory=LinearConfig, description="Linear-attention layers (linear and hybrid models)."
+    )
+    memory: MemoryConfig = Field(
+        default_factory=MemoryConfig,
+        description="Activation checkpointing, offload and tiled MLP for long sequences (docs/memory.md).",
     )
     kernel: KernelName = Field(
         "auto",

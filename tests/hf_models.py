@@ -19,7 +19,7 @@ FEATURE_MODELS = {
 
 
 def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
-    """A float32 causal LM: ``llama``, ``mistral`` (sliding window), ``qwen3`` (H=8, H_kv=2), or one of
+    """A float32 causal LM: ``llama``, ``mistral`` (sliding window), ``qwen3`` (H=8, H_kv=2), ``qwen3_moe``, or one of
     :data:`FEATURE_MODELS` (Gemma 2 soft-caps, Granite logit divisor, Cohere logit scale, gpt-oss sinks)."""
     import transformers
     from transformers import (
@@ -48,6 +48,12 @@ def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
     elif kind == "qwen3":
         cfg = Qwen3Config(num_attention_heads=8, num_key_value_heads=2, head_dim=8, **common)
         cls = Qwen3ForCausalLM
+    elif kind == "qwen3_moe":  # MoE block on every layer: 4 experts, 2 per token
+        cfg = transformers.Qwen3MoeConfig(
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, **common,
+        )  # fmt: skip
+        cls = transformers.Qwen3MoeForCausalLM
     elif kind == "gemma3_vlm":  # composite: Gemma 3 language model under text_config + a vision tower
         cfg = transformers.Gemma3Config(
             text_config=dict(

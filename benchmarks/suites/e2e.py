@@ -62,6 +62,8 @@ class DsSeqpar:
     name = "ds_seqpar auto (zigzag)"
     detail = "SeqParCausalLM + shard_batch, ulysses_degree=auto, zigzag ring, sdpa kernel"
 
+    memory: dict = {}  # noqa: RUF012 - sequence_parallel.memory of this system
+
     def __init__(self) -> None:
         from ds_seqpar import SeqParCausalLM, SeqParMesh, SequenceParallelConfig
         from ds_seqpar.config import auto_ulysses_degree
@@ -70,7 +72,9 @@ class DsSeqpar:
         model = _model("sdpa")
         u = auto_ulysses_degree(world, model.config.num_attention_heads, model.config.num_key_value_heads)
         self.mesh = SeqParMesh.build(world, u)
-        self.mesh.config = SequenceParallelConfig(size=world, ulysses_degree=u, ring={"layout": "zigzag"})
+        self.mesh.config = SequenceParallelConfig(
+            size=world, ulysses_degree=u, ring={"layout": "zigzag"}, memory=self.memory
+        )
         self.detail += f" (U={u}, R={world // u})"
         self.model = SeqParCausalLM(model, self.mesh)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
@@ -132,7 +136,85 @@ class Alst:
         return float(total)
 
 
-SYSTEMS = {"ds_seqpar": DsSeqpar, "alst": Alst}
+class DsSeqparSavings(DsSeqpar):
+    name = "ds_seqpar, all memory savings"
+    detail = DsSeqpar.detail + "; memory: activation_checkpointing + offload + tiled_mlp + tiled_norms"
+    memory = {  # noqa: RUF012
+        "activation_checkpointing": True,
+        "offload": True,
+        "tiled_mlp": True,
+        "tiled_norms": True,
+    }
+
+
+class AlstSavings(Alst):
+    """ALST with every saving DeepSpeed and transformers ship for it: HF activation checkpointing with
+    its host offload (on CUDA; on CPU the host is the device), DeepSpeed's ``TiledMLP`` on every MLP (shards = ceil(n / hidden), max over ranks)
+    and ``TiledFusedLogitsLoss`` (shards of 1024 tokens, like ds_seqpar's loss chunks)."""
+
+    name = "DeepSpeed ALST, all memory savings"
+    detail = Alst.detail + "; HF checkpointing(offload=True) + TiledMLP + TiledFusedLogitsLoss"
+
+    def __init__(self) -> None:
+        super().__init__()
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+        # offload=True pins host memory, which needs an accelerator; on CPU the host is the device anyway
+        self.model.activation_checkpointing_enable(offload=torch.cuda.is_available())
+        self.model.train()
+
+        def mlp_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+        def tiled(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+            shards = torch.tensor(-(-x.shape[1] // x.shape[2]))
+            if dist.get_world_size() > 1:
+                dist.all_reduce(shards, op=dist.ReduceOp.MAX)
+            params = [mlp.down_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight]
+            return TiledMLP.apply(mlp_forward, mlp, x, int(shards), params)
+
+        for layer in self.model.model.layers:
+            layer.mlp.forward = lambda x, mlp=layer.mlp: tiled(mlp, x)
+
+    def step(self, ids: torch.Tensor) -> float:
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        seq_len = ids.shape[1]
+        labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
+        n = seq_len // world
+        part = slice(rank * n, (rank + 1) * n)
+        positions = torch.arange(seq_len)[None, part]
+        hidden = self.model.model(input_ids=ids[:, part], position_ids=positions, use_cache=False)[0]
+
+        def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            logits = model.lm_head(x).float()
+            return torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"
+            )
+
+        shards = -(-n // 1024)
+        local = TiledFusedLogitsLoss.apply(
+            loss_fn, self.model, hidden, labels[:, part], None, shards, [self.model.lm_head.weight], "sum"
+        )
+        count = (labels != -100).sum().float()
+        loss = local / count
+        loss.backward()
+        _sum_grads(self.model)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+        return float(total)
+
+
+SYSTEMS = {
+    "ds_seqpar": DsSeqpar,
+    "alst": Alst,
+    "ds_seqpar_savings": DsSeqparSavings,
+    "alst_savings": AlstSavings,
+}
 
 
 def run_e2e(systems: list, seq_lens: list[int], reps: int) -> list[list[dict]]:

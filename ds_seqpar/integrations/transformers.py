@@ -20,6 +20,7 @@ Per-batch state travels explicitly in the forward kwargs as ``ds_seqpar_context=
 from __future__ import annotations
 
 import contextvars
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,7 @@ from ds_seqpar.integrations.linear_models import (
     unroute_linear_layers,
 )
 from ds_seqpar.loss import sp_causal_lm_loss
+from ds_seqpar.memory import enable_memory_savings
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.parallel.usp import attention, input_layout
 from ds_seqpar.parallel.work import WorkCounter
@@ -305,14 +307,17 @@ class _ModelParts:
     window: int | None
 
 
-def _decoder_layers(decoder: torch.nn.Module, hf: torch.nn.Module) -> tuple[dict[int, int], int | None]:
+def _decoder_layers(
+    decoder: torch.nn.Module, hf: torch.nn.Module
+) -> tuple[dict[int, int], int | None, list[torch.nn.Module]]:
     """``{id(submodule): layer index}`` over the decoder's layer list (the ModuleList with one entry per
-    ``num_hidden_layers``), and the layer count; an empty map when no such list exists."""
+    ``num_hidden_layers``), the layer count, and the layers; an empty map and list when no such list exists."""
     expected = getattr(getattr(decoder, "config", hf.config), "num_hidden_layers", None)
     for module in decoder.modules():
         if isinstance(module, torch.nn.ModuleList) and expected is not None and len(module) == expected:
-            return {id(m): i for i, layer in enumerate(module) for m in layer.modules()}, expected
-    return {}, expected
+            layers = list(module)
+            return {id(m): i for i, layer in enumerate(layers) for m in layer.modules()}, expected, layers
+    return {}, expected, []
 
 
 class SeqParCausalLM(torch.nn.Module):
@@ -349,10 +354,12 @@ class SeqParCausalLM(torch.nn.Module):
         if getattr(hf, "_ds_seqpar_original_attn", None) is None and not has_routed_layers(hf):
             check_token_locality(hf, decoder)  # one process, before the attention is switched
         self.model = enable_sequence_parallel(model)
+        layer_of, num_layers, layers = _decoder_layers(decoder, hf)
         self._parts = _ModelParts(
-            hf, decoder, ModelLogits(hf, decoder), *_decoder_layers(decoder, hf), expected_window(hf)
+            hf, decoder, ModelLogits(hf, decoder), layer_of, num_layers, expected_window(hf)
         )
         self.mesh = mesh
+        self.memory = enable_memory_savings(hf, decoder, layers, mesh.settings.memory, mesh.group("sp_dp"))
         self.grad_scale = grad_scale
         self.loss_chunk_size = loss_chunk_size
         self.last_num_tokens: torch.Tensor | None = None
@@ -369,6 +376,9 @@ class SeqParCausalLM(torch.nn.Module):
         """Final hidden states ``[B, n, E]`` of this rank's tokens (every layer's attention over the group)."""
         self._check_positions(input_ids, position_ids, doc_ids)
         parts = self._parts
+        if self.memory.plan is not None:
+            zero3 = any(hasattr(p, "ds_id") for p in itertools.islice(parts.decoder.parameters(), 1))
+            self.memory.plan.plan(input_ids.shape[-1], input_ids.device, agree=zero3)
         ctx = SeqParContext(self.mesh, doc_ids, self.work, self.step, layer_of=parts.layer_of)
         token = ACTIVE_CONTEXT.set(ctx)
         try:
