@@ -16,7 +16,7 @@ from ds_seqpar import SeqParMesh
 from ds_seqpar.comm.p2p import RingComm, RingSchedule
 from ds_seqpar.layout import SeqLayout, doc_ids_from_cu_seqlens
 from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward
-from ds_seqpar.ops.masks import MaskSpec, token_mask
+from ds_seqpar.ops.masks import BlockKind, MaskSpec, token_mask
 from ds_seqpar.ops.reference import dense_attention_reference
 from ds_seqpar.parallel.ring import RingPlan, WorkCounter, build_schedule, ring_attention
 
@@ -405,6 +405,68 @@ def test_plan_and_schedule_errors():
 def test_ring_odd_and_composite_world_sizes(dist_pool, world):
     """Slow sweep (scripts/test.sh --slow): the full layout x mask x GQA sweep on 5, 6 and 7 ranks."""
     _run_and_check(dist_pool(world), _sweep(world))
+
+
+def _long_window_cases() -> list[dict]:
+    """Segments longer than 4 window tiles: the window tiling (``_window_tasks``) builds the calls."""
+    base = dict(h_kv=2, ring_inner=None, seq_len=2560)
+    cases = [
+        dict(base, layout=layout, causal=causal, window=window, dtype=dtype, seed=200 + i)
+        for i, (layout, causal, window, dtype) in enumerate(
+            [
+                ("zigzag", True, 37, torch.float64),
+                ("contiguous", True, 128, torch.float64),
+                ("zigzag", False, 100, torch.float64),
+                ("contiguous", False, 9, torch.float64),
+                ("zigzag", True, 64, torch.float32),
+            ]
+        )
+    ]
+    return cases
+
+
+def test_long_windows_are_tiled_and_exact(dist_pool):
+    _run_and_check(dist_pool(2), _long_window_cases())
+
+
+@pytest.mark.parametrize(("layout", "causal"), [("zigzag", True), ("contiguous", True), ("zigzag", False)])
+def test_window_tiling_at_a_million_tokens_builds_only_tile_masks(layout, causal):
+    """S = 2^20 over 4 ranks, window 4096: the calls cover exactly the visible pairs, and no mask is
+    larger than one tile (a mask of a whole 131072 x 131072 segment pair would be 16 GiB)."""
+    from ds_seqpar.parallel.ring import _tasks, _tokens, window_tile
+
+    world, seq_len, w = 4, 1 << 20, 4096
+    tile = window_tile(w)
+    for me in range(world):
+        plan = RingPlan(
+            RingSchedule(RingComm(None, list(range(world)), me)),
+            SeqLayout(layout, world),
+            MaskSpec(causal=causal, window=w),
+        )
+        q_pos, _ = _tokens(plan, seq_len, me, torch.device("cpu"))
+        for owner in range(world):
+            k_pos, _ = _tokens(plan, seq_len, owner, torch.device("cpu"))
+            tasks = _tasks(plan, seq_len, owner, q_pos, None)
+            masks = {id(t.mask): t.mask for t in tasks if t.mask is not None}
+            assert all(m.shape[-1] <= tile and m.shape[-2] <= tile for m in masks.values())
+            assert sum(m.numel() for m in masks.values()) <= 8 * tile * tile  # shared by offset, not S
+            got = sum(_task_pairs(t) for t in tasks)
+            assert got == _visible_pairs(q_pos, k_pos, w, causal), (me, owner)
+
+
+def _task_pairs(task) -> int:
+    if task.mask is not None:
+        return int(task.mask.sum())
+    n = task.q_rows.stop - task.q_rows.start
+    return n * (n + 1) // 2 if task.kind is BlockKind.CAUSAL else task.pairs
+
+
+def _visible_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor, w: int, causal: bool) -> int:
+    """Visible (query, key) pairs of a window, counted per query by binary search on the sorted keys."""
+    keys, _ = torch.sort(k_pos)
+    lo = q_pos - (w - 1)
+    hi = q_pos if causal else q_pos + (w - 1)
+    return int((torch.searchsorted(keys, hi, right=True) - torch.searchsorted(keys, lo)).sum())
 
 
 def zigzag_block_counts() -> tuple[int, int]:

@@ -646,6 +646,7 @@ def block_attn_backward(
     kernel: str | AttentionKernel = "auto",
     grad_dtype: torch.dtype | None = None,
     softcap: float | None = None,
+    inert: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one (query block, key block) pair given the FINAL out / lse of the query rows.
 
@@ -653,6 +654,8 @@ def block_attn_backward(
         dout, out: ``[B, Sq, H, D]`` (any float dtype); lse: ``[B, H, Sq]``; q, k, v, scale, mask,
             causal, kernel, softcap: as in :func:`block_attn_forward`.
         grad_dtype: dtype of the gradients (default: the acc dtype, for summing over blocks).
+        inert: the caller guarantees that no row has lse = -inf (or made such rows inert with
+            ``ops.merge.inert_empty_rows``): the masked copy of ``dout`` is skipped.
 
     Returns:
         ``dq [B, Sq, H, D]``, ``dk, dv [B, Sk, H_kv, D]`` (summed over each GQA group) in
@@ -675,7 +678,7 @@ def block_attn_backward(
             k.new_zeros(b, sk, hkv, d, dtype=acc),
             k.new_zeros(b, sk, hkv, d, dtype=acc),
         )
-    # rows that saw no key anywhere: make them inert instead of NaN (unconditionally: no host sync)
-    dout, lse = inert_empty_rows(dout, lse)
+    if not inert:  # rows that saw no key anywhere: inert instead of NaN (unconditionally: no host sync)
+        dout, lse = inert_empty_rows(dout, lse)
     grads = kern.backward(dout, q, k, v, out, lse, d**-0.5 if scale is None else scale, mask, causal, softcap)
     return tuple(g.to(acc) for g in grads)

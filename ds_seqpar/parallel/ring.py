@@ -295,6 +295,65 @@ def _document_tasks(
     return tasks
 
 
+def window_tile(window: int) -> int:
+    """Tile edge (tokens) of the window tiling: ``window`` clamped to [128, 1024]."""
+    return max(128, min(1024, window))
+
+
+def _consecutive(pos: torch.Tensor) -> bool:
+    """Whether a 1-D position tensor is one run ``p0, p0 + 1, ...``."""
+    if pos.dim() != 1 or pos.numel() < 2:
+        return pos.dim() == 1
+    return int(pos[-1]) - int(pos[0]) == pos.numel() - 1 and bool((pos[1:] - pos[:-1] == 1).all())
+
+
+def _window_tasks(
+    plan: RingPlan, q_seg: tuple[int, int], k_seg: tuple[int, int], q_pos: torch.Tensor, k_pos: torch.Tensor
+) -> list[_BlockTask] | None:
+    """A long segment pair under a sliding window, cut into tiles of :func:`window_tile` tokens: only the
+    tiles the window reaches are classified, so no ``[Sq, Sk]`` mask of the whole pair is ever built (at
+    S = 1M it would not fit). Tiles the window covers run as FULL / CAUSAL calls (neighbours joined), the
+    window's edge tiles as small PARTIAL (band) calls whose masks are shared: with consecutive positions a
+    tile's mask depends only on its offset. None when the pair is small or its positions are not runs
+    (docs/ring.md "Windows")."""
+    spec, w = plan.spec, plan.spec.window
+    (qa, qb), (ka, kb) = q_seg, k_seg
+    if w is None or q_pos.dim() != 1 or k_pos.dim() != 1:
+        return None
+    tile = window_tile(w)
+    if max(qb - qa, kb - ka) <= 4 * tile:
+        return None
+    qp, kp = q_pos[qa:qb], k_pos[ka:kb]
+    if not (_consecutive(qp) and _consecutive(kp)):
+        return None
+    q0, k0, nk = int(qp[0]), int(kp[0]), kb - ka
+    shared: dict[tuple[int, int, int], _BlockTask] = {}
+    tasks: list[_BlockTask] = []
+    for a in range(0, qb - qa, tile):
+        b = min(a + tile, qb - qa)
+        lo = q0 + a - (w - 1) - k0  # key rows (relative to ka) this query tile may see
+        hi = q0 + b - 1 + (0 if spec.causal else w - 1) - k0
+        first, last = max(0, lo), min(nk - 1, hi)
+        for c in range(first - first % tile, last + 1, tile):
+            d = min(c + tile, nk)
+            key = (q0 + a - k0 - c, b - a, d - c)
+            if key not in shared:
+                kind, mask = classify_block(qp[a:b], kp[c:d], spec)
+                rel = _BlockTask(slice(0, b - a), slice(0, d - c), kind, mask, 0)
+                shared[key] = _trimmed(rel) if kind is BlockKind.PARTIAL else rel
+            rel = shared[key]
+            if rel.kind is BlockKind.EMPTY:
+                continue
+            tasks.append(dataclasses.replace(
+                rel,
+                q_rows=slice(qa + a + rel.q_rows.start, qa + a + rel.q_rows.stop),
+                k_rows=slice(ka + c + rel.k_rows.start, ka + c + rel.k_rows.stop),
+            ))  # fmt: skip
+    if tasks:
+        tasks[0] = dataclasses.replace(tasks[0], segment_pairs=1)
+    return tasks
+
+
 def _tasks(plan: RingPlan, seq_len: int, owner: int, q_pos: torch.Tensor, q_doc: Any) -> list[_BlockTask]:
     """The kernel calls for (this rank's queries, ``owner``'s keys); EMPTY pairs dropped.
 
@@ -321,6 +380,10 @@ def _tasks(plan: RingPlan, seq_len: int, owner: int, q_pos: torch.Tensor, q_doc:
     tasks = []
     for qa, qb in segments:
         for ka, kb in segments:
+            tiled = None if q_doc is not None else _window_tasks(plan, (qa, qb), (ka, kb), q_pos, k_pos)
+            if tiled is not None:
+                tasks += tiled
+                continue
             kind, mask = classify_block(
                 q_pos[..., qa:qb],
                 k_pos[..., ka:kb],
@@ -409,6 +472,14 @@ def _tokens(plan: RingPlan, seq_len: int, rank: int, device: torch.device) -> tu
         return pos, doc
 
     return _cached(plan, ("tokens", seq_len, rank), device, build)
+
+
+def _has_padding(plan: RingPlan, device: torch.device) -> bool:
+    """Whether some token is padding (document id < 0): the only rows that see no key at all (every other
+    query sees at least itself). Host work once per document-id tensor (cached like the tasks)."""
+    if plan.doc_ids is None:
+        return False
+    return _cached(plan, ("padding",), device, lambda: bool((plan.doc_ids < 0).any()))
 
 
 def _per_row(pos: torch.Tensor, doc: Any) -> torch.Tensor:
@@ -636,6 +707,7 @@ class _PairWork:
                     kernel=self.kernel,
                     grad_dtype=q.dtype if only else None,
                     softcap=plan.softcap,
+                    inert=True,
                 )
             rows.dq = _accumulate(rows.dq, dq_p, task.q_rows, q, rows.acc)
             dk = _accumulate(dk, dk_p, task.k_rows, k_blk, rows.acc)
@@ -682,8 +754,8 @@ def _varlen_backward(
     """Gradients of ``task`` given the final out / lse of its rows: dq ``[B, Lq, H, D]``, dk, dv ``[B, Lk, H_kv, D]``."""
     q = rows.q
     b, h = q.shape[0], q.shape[2]
-    dout, lse = inert_empty_rows(rows.dout[:, task.q_rows], rows.lse[:, :, task.q_rows])
-    lse = lse.transpose(0, 1).reshape(h, -1)  # [H, B·Lq]
+    dout = rows.dout[:, task.q_rows]  # padding rows were made inert once for the whole backward
+    lse = rows.lse[:, :, task.q_rows].transpose(0, 1).reshape(h, -1)  # [H, B·Lq]
     dq, dk, dv = kernel.varlen.backward(
         dout.reshape(-1, h, q.shape[3]), _packed(q, task.q_rows), _packed(k, task.k_rows),
         _packed(v, task.k_rows), _packed(rows.out, task.q_rows), lse, task.cu_q, task.cu_k, task.max_q,
@@ -732,7 +804,7 @@ def _batched_backward(
         _as_batch(rows.dout, task.q_rows, length), _as_batch(q, task.q_rows, length),
         _as_batch(k, task.k_rows, length), _as_batch(v, task.k_rows, length),
         _as_batch(rows.out, task.q_rows, length), lse, scale=scale, causal=task.causal, kernel=kernel,
-        softcap=softcap,
+        softcap=softcap, inert=True,
     )  # fmt: skip
     return dq.view(b, -1, *dq.shape[2:]), dk.view(b, -1, *dk.shape[2:]), dv.view(b, -1, *dv.shape[2:])
 
@@ -821,6 +893,8 @@ class _RingAttention(torch.autograd.Function):
         plan: RingPlan = ctx.plan
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         rows = _Rows(q, acc, out=out, lse=lse, dout=dout)
+        if _has_padding(plan, q.device):  # padding rows saw no key: inert once here, not per block
+            rows.dout, rows.lse = inert_empty_rows(dout, lse)
         work = _pair_work(plan, ctx.seq_len, ctx.scale, rows, merged=sinks is not None)
         steps = plan.schedule.backward((k, v))
         owner, (k_blk, v_blk) = next(steps)
