@@ -144,7 +144,7 @@ class PendingExchange:
     def wait(self) -> list[torch.Tensor]:
         if self._work is not None:
             self._work.wait()
-        self._send = None
+        self._work = self._send = None  # the work object holds the buffers too: both go
         return self._unpack()
 
 
@@ -226,9 +226,20 @@ def post_head_to_seq(
     degree = len(counts[0])
     b, un, _, d = ys[0].shape
     n = un // degree
-    if into is None:
-        into = [(ys[0].new_empty(b, n, sum(c), d), st) for c, st in zip(counts, _contiguous_starts(counts))]
+    targets, dtype, device = into, ys[0].dtype, ys[0].device
+
+    def outputs() -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        # allocated when the received data is unpacked, after the send buffer is gone: the outputs,
+        # the send and the receive buffer are never alive at once (docs/memory.md "Attention buffers")
+        if targets is not None:
+            return list(targets)
+        return [
+            (torch.empty(b, n, sum(c), d, dtype=dtype, device=device), st)
+            for c, st in zip(counts, _contiguous_starts(counts))
+        ]
+
     if degree == 1:
+        into = outputs()
         for y, c, (out, st) in zip(ys, counts, into):
             out[:, :, st[0] : st[0] + c[0]].copy_(y)
         return PendingExchange(None, lambda: [out for out, _ in into])
@@ -252,6 +263,7 @@ def post_head_to_seq(
         stats.record("all_to_all", (degree - 1) * mine * token * send.element_size())
 
     def unpack() -> list[torch.Tensor]:
+        into = outputs()
         offset = 0
         for u in range(degree):
             chunk = recv[offset : offset + from_rank[u] * token].view(b, n, from_rank[u], d)

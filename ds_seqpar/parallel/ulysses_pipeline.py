@@ -138,6 +138,7 @@ class _PipelinedUlysses(torch.autograd.Function):
             return exchange.scatter((q, k, v), counts, starts, async_op=j > 0)
 
         kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # received K/V per group (grad leaves)
+        last_use = {source: j for j, source in enumerate(groups.kv_source)}
         saved, returns = [], []
         pending = post_in(0)
         for j in range(c):
@@ -153,14 +154,21 @@ class _PipelinedUlysses(torch.autograd.Function):
                 first = groups.q_starts[j][me]  # this rank's query heads in group j (global indices)
                 sinks_j = None if sinks_leaf is None else sinks_leaf[first : first + groups.q_counts[j][me]]
                 out_j = attend(q_j, k_blk[:, :, lo:hi], v_blk[:, :, lo:hi], sinks_j)
-            saved.append((q_j, out_j))
             returns.append(
                 exchange.gather(
                     (out_j.detach(),), (groups.q_counts[j],), [(out, groups.q_starts[j])], async_op=True
                 )
             )
+            _settle_previous(returns)
+            if needs_grad:
+                saved.append((q_j, out_j))
+            else:  # no backward (evaluation, a checkpointed layer's first run): free the group's buffers now
+                del q_j, out_j, k_blk, v_blk
+                if last_use[groups.kv_source[j]] == j:
+                    del kv[groups.kv_source[j]]
         for pending_out in returns:
-            pending_out.wait()
+            if pending_out is not None:
+                pending_out.wait()
         ctx.state = (groups, exchange, saved, kv, q.shape, k.shape, k.dtype, sinks_leaf)
         return out
 
@@ -172,7 +180,8 @@ class _PipelinedUlysses(torch.autograd.Function):
         c = groups.groups
         dq = dout.new_empty(q_shape)
         dk, dv = (dout.new_empty(kv_shape, dtype=kv_dtype) for _ in range(2))
-        uses = Counter(groups.kv_source)  # groups reading each received K/V block
+        readers = Counter(groups.kv_source)  # groups reading each received K/V block
+        left = Counter(readers)  # ... of which have not run their backward yet
         kv_grads: dict[int, list[torch.Tensor]] = {}
 
         def post_dout(j: int) -> PendingExchange:
@@ -185,13 +194,16 @@ class _PipelinedUlysses(torch.autograd.Function):
             if j + 1 < c:
                 pending = post_dout(j + 1)
             q_j, out_j = saved[j]
+            saved[j] = None  # this group's received q and its output go as soon as its gradients exist
             source = groups.kv_source[j]
-            k_blk, v_blk = kv[source]
+            left[source] -= 1  # the last reader takes the K/V heads out: they go with its graph
+            k_blk, v_blk = kv.pop(source) if left[source] == 0 else kv[source]
             leaves = (q_j, k_blk, v_blk) if sinks_leaf is None else (q_j, k_blk, v_blk, sinks_leaf)
             dq_j, dk_j, dv_j, *dsinks_j = torch.autograd.grad(out_j, leaves, dout_j)
             if dsinks_j:
                 dsinks += dsinks_j[0]
-            if uses[source] == 1:
+            del q_j, out_j, k_blk, v_blk, leaves
+            if readers[source] == 1:
                 kv_grads[source] = [dk_j, dv_j]
             elif source not in kv_grads:  # several groups read these K/V heads: sum their parts in >= fp32
                 acc = torch.promote_types(dk_j.dtype, torch.float32)
@@ -207,10 +219,20 @@ class _PipelinedUlysses(torch.autograd.Function):
                 counts += [groups.kv_counts[carried]] * 2
                 into += [(dk, groups.kv_starts[carried]), (dv, groups.kv_starts[carried])]
             returns.append(exchange.gather(ys, tuple(counts), into, async_op=True))
+            _settle_previous(returns)
         saved.clear()
         for pending_back in returns:
-            pending_back.wait()
+            if pending_back is not None:
+                pending_back.wait()
         return None, None, None, None, dq, dk, dv, dsinks
+
+
+def _settle_previous(returns: list[PendingExchange | None]) -> None:
+    """Wait for the return before the newest (it had a whole group's attention to finish) and drop it, so
+    at most two groups' return buffers are alive (docs/memory.md "Attention buffers")."""
+    if len(returns) >= 2 and returns[-2] is not None:
+        returns[-2].wait()
+        returns[-2] = None
 
 
 def pipelined_ulysses(
