@@ -125,10 +125,14 @@ def memory_markdown(result: dict) -> str:
         ("P", "P", "d"),
         ("largest S within budget", "largest_S", "d"),
         ("vs P=1", "vs_P1", ".2f"),
+        ("vs the ALST row of the same savings", "vs_alst", ".2f"),
     ]
     head = (
         f"Largest sequence whose training step ({result['meta']['model']}) stays within "
-        f"{result['meta']['budget_MiB_per_rank']:.0f} MiB of peak resident memory growth per rank (S grows by 1.25x per probe).\n\n"
+        f"{result['meta']['budget_MiB_per_rank']:.0f} MiB of peak resident memory growth per rank (S grows by 1.25x per probe). "
+        "`_savings` rows: every memory saving each system ships (ds_seqpar: `sequence_parallel.memory` all on; ALST: "
+        "checkpointing, TiledMLP, TiledFusedLogitsLoss). The memory model column is `ds_seqpar.memory_estimate(...)"
+        ".step_bytes()` for the same step.\n\n"
     )
     probes = _table(
         sorted(result["rows"], key=lambda r: (r.get("peer", ""), r["P"], r.get("S", 0))),
@@ -137,6 +141,7 @@ def memory_markdown(result: dict) -> str:
             ("P", "P", "d"),
             ("S", "S", "d"),
             ("peak MiB/rank", "peak_MiB", ".1f"),
+            ("memory model MiB", "predicted_MiB", ".1f"),
             ("fits", "fits", ""),
         ],
     )

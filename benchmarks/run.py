@@ -50,6 +50,7 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 SUITES = ("attention", "packed", "e2e", "memory", "sparse", "linear")
 # e2e/memory: large blocks are mmapped and returned on free, so resident memory tracks live tensors
 MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+MEMORY_SYSTEMS = "ds_seqpar,alst,ds_seqpar_savings,alst_savings"
 
 
 def _torchrun(world: int, module: str, args: list[str], timeout: int, env: dict | None = None) -> None:
@@ -204,7 +205,16 @@ def suite_memory(args: argparse.Namespace) -> dict:
     budget = args.budget_mib / (4 if args.quick else 1)
     rows = []
     for world in worlds:
-        extra = ["--mode", "memory", "--budget-mib", str(budget), "--first-len", "2048"]
+        extra = [
+            "--mode",
+            "memory",
+            "--budget-mib",
+            str(budget),
+            "--first-len",
+            "2048",
+            "--systems",
+            MEMORY_SYSTEMS,
+        ]
         rows += _worker_rows(world, "benchmarks.suites.e2e", extra, timeout=args.timeout, env=MEMORY_ENV)
     largest = {}
     for row in rows:
@@ -217,6 +227,9 @@ def suite_memory(args: argparse.Namespace) -> dict:
             "P": world,
             "largest_S": s,
             "vs_P1": s / largest[(peer, 1)] if (peer, 1) in largest else float("nan"),
+            "vs_alst": s / largest[(peer.replace("ds_seqpar", "alst"), world)]
+            if peer.startswith("ds_seqpar") and (peer.replace("ds_seqpar", "alst"), world) in largest
+            else None,
         }
         for (peer, world), s in sorted(largest.items())
     ]

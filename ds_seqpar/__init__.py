@@ -14,6 +14,8 @@ Public API (more arrives with the attention, data and engine modules):
 * :func:`initialize`: ``deepspeed.initialize`` with the section honoured (mesh, mpu, HF attention
   routing, SP loss, sharding DataLoader); :class:`SeqParCausalLM`, :func:`shard_batch`,
   :func:`seqpar_dataloader`, :func:`sp_causal_lm_loss` are its parts.
+* :func:`memory_estimate` / :func:`largest_seq_len`: the memory model (predicted peak bytes per rank by
+  category, docs/memory.md).
 """
 
 from ds_seqpar.comm.stats import CommRegion, CommStats
@@ -28,6 +30,7 @@ from ds_seqpar.integrations.transformers import (
 )
 from ds_seqpar.layout import LayoutError
 from ds_seqpar.loss import sp_causal_lm_loss
+from ds_seqpar.memory import MemoryEstimate, largest_seq_len, memory_estimate
 from ds_seqpar.mesh import DeepSpeedMPU, MeshCoords, MeshPlan, SeqParMesh, plan_mesh
 from ds_seqpar.parallel.linear_scan import linear_attention
 from ds_seqpar.parallel.sparse_ring import SparseLayerStats, sparse_stats
@@ -42,6 +45,7 @@ __all__ = [
     "CommStats",
     "DeepSpeedMPU",
     "LayoutError",
+    "MemoryEstimate",
     "MeshCoords",
     "MeshPlan",
     "SeqParCausalLM",
@@ -58,8 +62,10 @@ __all__ = [
     "enable_sequence_parallel",
     "initialize",
     "input_layout",
+    "largest_seq_len",
     "linear_attention",
     "load_config",
+    "memory_estimate",
     "parse_section",
     "plan_mesh",
     "seqpar_dataloader",

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ds_seqpar.config import SeqParConfigError, load_config
+from ds_seqpar.config import SeqParConfigError, load_config, parse_section
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = REPO / "assets" / "tiny-llama"
@@ -107,6 +107,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="context extension, TYPE:FACTOR with TYPE in linear, dynamic, yarn (e.g. linear:4)",
     )
     p.add_argument(
+        "--memory",
+        default=None,
+        help="memory savings, overriding sequence_parallel.memory: 'all' (checkpointing + offload + tiled MLP "
+        "and norms), 'none', or a comma list of activation_checkpointing, offload, tiled_mlp, tiled_norms "
+        "(docs/memory.md)",
+    )
+    p.add_argument(
+        "--max-seq-len-search",
+        type=float,
+        default=None,
+        metavar="BUDGET_MIB",
+        help="print the memory model's largest --seq-len whose step fits BUDGET_MIB per rank (with this "
+        "config, model, world and --memory), then exit without training",
+    )
+    p.add_argument(
         "--output-dir", default="outputs/run", help="metrics, checkpoints and the final HF model go here"
     )
     p.add_argument(
@@ -175,12 +190,84 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if path is not None and not os.path.exists(path):
             parser.error(f"--{name} {path!r} does not exist")
     section, ds_config = load_config(args.ds_config)
+    if args.memory is not None:
+        section = _with_memory(section, args.memory, parser)
     if not section.enabled:
         raise SeqParConfigError(f"{args.ds_config}: sequence_parallel.enabled is false; train.py needs it on")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     section.validate(_model_config(args), world)  # heads vs U, world vs size: before any process group
     args.section, args.ds_config_dict = section, ds_config
     return args
+
+
+MEMORY_SAVINGS = ("activation_checkpointing", "offload", "tiled_mlp", "tiled_norms")
+
+
+def _with_memory(section: Any, choice: str, parser: argparse.ArgumentParser) -> Any:
+    """``section`` with ``sequence_parallel.memory`` set from ``--memory`` (validated like the JSON)."""
+    names = {"all": MEMORY_SAVINGS, "none": ()}.get(choice)
+    if names is None:
+        names = tuple(n.strip() for n in choice.split(",") if n.strip())
+        unknown = [n for n in names if n not in MEMORY_SAVINGS]
+        if unknown or not names:
+            parser.error(
+                f"--memory={choice!r}: unknown saving(s) {unknown}; use all, none or a comma list of "
+                f"{', '.join(MEMORY_SAVINGS)}"
+            )
+    memory = {**section.memory.model_dump(exclude_unset=True), **{n: n in names for n in MEMORY_SAVINGS}}
+    if not ({"tiled_mlp", "tiled_norms"} & set(names)):
+        memory.pop("mlp_tile_tokens", None)
+    dumped = section.model_dump(exclude_unset=True)
+    return parse_section({**dumped, "memory": memory})
+
+
+def memory_report(args: argparse.Namespace, world: int, seq_len: int | None = None) -> Any:
+    """The memory model's estimate for this run (per rank), from the config, model and world."""
+    from ds_seqpar.memory import memory_estimate
+
+    ds = args.ds_config_dict
+    bf16 = bool(ds.get("bf16", {}).get("enabled")) or bool(ds.get("fp16", {}).get("enabled"))
+    return memory_estimate(
+        _model_config(args),
+        seq_len or args.seq_len,
+        args.section,
+        world_size=world,
+        zero_stage=int(ds.get("zero_optimization", {}).get("stage", 0)),
+        micro_batch=int(ds.get("train_micro_batch_size_per_gpu", 1)),
+        bytes_per_element=2 if bf16 else 4,
+    )
+
+
+def max_seq_len_search(args: argparse.Namespace, world: int) -> int:
+    """Print and return the largest S (a multiple of the layout's) whose predicted peak fits the budget."""
+    from ds_seqpar.layout import SeqLayout, UspLayout
+    from ds_seqpar.memory import largest_seq_len
+
+    budget = int(args.max_seq_len_search * 2**20)
+    resolved = args.section.validate(_model_config(args), None)
+    u = resolved.resolved_ulysses_degree
+    kind, granularity = resolved.ring_layout
+    multiple = UspLayout(SeqLayout(kind, resolved.size // u, granularity), u).multiple
+    ds = args.ds_config_dict
+    bf16 = bool(ds.get("bf16", {}).get("enabled")) or bool(ds.get("fp16", {}).get("enabled"))
+    best = largest_seq_len(
+        _model_config(args),
+        args.section,
+        budget,
+        multiple=multiple,
+        world_size=world,
+        zero_stage=int(ds.get("zero_optimization", {}).get("stage", 0)),
+        micro_batch=int(ds.get("train_micro_batch_size_per_gpu", 1)),
+        bytes_per_element=2 if bf16 else 4,
+    )
+    print(
+        f"max-seq-len-search: {args.max_seq_len_search:g} MiB per rank, {world} ranks, memory "
+        f"{args.section.memory.model_dump()}: largest --seq-len {best} (a multiple of {multiple})",
+        flush=True,
+    )
+    if best:
+        print(memory_report(args, world, best).table(), flush=True)
+    return best
 
 
 def _model_config(args: argparse.Namespace) -> Any:
@@ -339,6 +426,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # DeepSpeed calls torch.distributed functions that torch 2.13 renamed; one warning per call is noise
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use", category=FutureWarning)
     args = parse_args(argv)
+    if args.max_seq_len_search is not None:
+        best = max_seq_len_search(args, int(os.environ.get("WORLD_SIZE", str(args.section.size))))
+        return {"max_seq_len": best}
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
@@ -397,6 +487,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"S={args.seq_len}, {mesh.sp_size} ranks per sequence, lr {engine.optimizer.param_groups[0]['lr']:g}, "
         f"output in {out_dir}"
     )
+    if rank == 0:
+        estimate = memory_report(args, dist.get_world_size())
+        log.say(
+            f"memory: {engine.module.memory.describe()}; predicted peak per rank at S={args.seq_len} "
+            f"({estimate.phase}):\n{estimate.table()}"
+        )
     first_eval = _evaluate(engine, eval_loader)
     log.record({"step": start, **first_eval})
     log.say(

@@ -37,6 +37,7 @@ def test_help_documents_every_flag():
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["--curriculum", "1024"], "--curriculum='1024': use SEQ:STEPS"),
         (["--seq-len", "100"], "the embedded passkey task needs sequences of at least 137 tokens"),
+        (["--memory", "checkpoint"], "--memory='checkpoint': unknown saving(s) ['checkpoint']"),
     ],
 )
 def test_bad_flags_exit_with_a_message(capsys, argv, message):
@@ -185,6 +186,32 @@ def test_passkey_rows_hide_the_answer_from_the_questions():
         )  # answers are labels, not inputs
         assert bool((labels[questions + 1] == key).all())
     assert len(starts) > 10  # the position varies: no fixed offset to learn
+
+
+def test_max_seq_len_search_prints_the_models_largest_length(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    plain = main(["--max-seq-len-search", "256"])["max_seq_len"]
+    saved = main(["--max-seq-len-search", "256", "--memory", "all"])["max_seq_len"]
+    out = capsys.readouterr().out
+    assert f"largest --seq-len {saved}" in out and "device peak per rank" in out
+    assert saved > 2 * plain > 0 and saved % 4 == 0  # U 2 x R 2 zigzag: multiples of 4
+    assert not dist.is_initialized()
+
+
+def test_long_context_config_trains_with_every_saving(dist_pool, tmp_path):
+    """ds_configs/long_context_zero3.json (resized to 2 ranks): checkpointing, offload, tiled MLP and norms;
+    the same losses as ds_configs/usp_zero3.json (the savings change no number)."""
+    losses = {}
+    for name in ("long_context_zero3.json", "usp_zero3.json"):
+        config = json.loads((DEFAULT_CONFIG.parent / name).read_text())
+        config["sequence_parallel"]["size"] = 2
+        path = tmp_path / name
+        path.write_text(json.dumps(config))
+        argv = ["--ds_config", str(path), "--seq-len", "256", "--max-steps", "2", "--eval-every", "0",
+                "--eval-samples", "1", "--no-progress", "--no-export", "--output-dir", str(tmp_path / f"out_{name}")]  # fmt: skip
+        losses[name] = [r["loss"] for r in dist_pool(2).run(run_cli, argv)[0] if "loss" in r]
+    saved, plain = losses["long_context_zero3.json"], losses["usp_zero3.json"]
+    assert len(saved) == 2 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(saved, plain)), losses
 
 
 def test_sparse_ring_config_trains_with_dense_warmup(dist_pool, tmp_path):

@@ -22,6 +22,7 @@ import json
 import os
 import statistics
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -267,7 +268,8 @@ def run_memory(system, start: int, growth: float, budget_mib: float, max_len: in
         with measure.PeakMemory() as mem:
             system.step(ids)
         peak = max(gather_floats(mem.peak_mib))
-        rows.append({"S": seq_len, "status": "ok", "peak_MiB": peak, "fits": peak <= budget_mib})
+        rows.append({"S": seq_len, "status": "ok", "peak_MiB": peak, "fits": peak <= budget_mib,
+                     **(_predicted(system, seq_len) or {})})  # fmt: skip
         if dist.get_rank() == 0:
             print(f"[memory P={world}] {system.name} S={seq_len}: peak {peak:.1f} MiB/rank", flush=True)
         if peak > budget_mib:
@@ -276,11 +278,46 @@ def run_memory(system, start: int, growth: float, budget_mib: float, max_len: in
     return rows
 
 
+def _predicted(system: Any, seq_len: int) -> dict | None:
+    """The memory model's in-step bytes for a ds_seqpar system (None for peers): what one step allocates
+    on top of the resting parameters and optimizer states, on this CPU (host and device are one)."""
+    if not isinstance(system, DsSeqpar):
+        return None
+    from ds_seqpar import memory_estimate
+
+    est = memory_estimate(system.model.model.config, seq_len, system.mesh.config, zero_stage=0)
+    return {"predicted_MiB": est.step_bytes() / 2**20, "phase": est.phase}
+
+
+def run_trace(system: Any, seq_lens: list[int]) -> list[dict]:
+    """Per S: the live-tensor peak of one step (after a warm-up) by module and phase, with the memory
+    model's prediction for ds_seqpar systems (``ds_seqpar/memory/trace.py``)."""
+    from ds_seqpar.memory.trace import LiveBytes
+
+    rows = []
+    for seq_len in seq_lens:
+        ids = _ids(seq_len, system.vocab)
+        system.step(ids)
+        mode = LiveBytes()
+        mode.name_modules(system.model)
+        with mode:
+            system.step(ids)
+        peak = max(gather_floats(mode.peak / 2**20))
+        row = {"S": seq_len, "status": "ok", "traced_peak_MiB": peak,
+               "breakdown_MiB": {k: v / 2**20 for k, v in mode.at_peak.most_common(12)}}  # fmt: skip
+        row.update(_predicted(system, seq_len) or {})
+        rows.append(row)
+        if dist.get_rank() == 0:
+            print(f"[trace P={dist.get_world_size()}] {system.name} S={seq_len}: {peak:.1f} MiB "
+                  f"(predicted {row.get('predicted_MiB', float('nan')):.1f})\n{mode.table(12)}", flush=True)  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--mode", choices=["e2e", "memory"], required=True)
+    parser.add_argument("--mode", choices=["e2e", "memory", "trace"], required=True)
     parser.add_argument("--systems", default="ds_seqpar,alst")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--reps", type=int, default=3)
@@ -305,6 +342,8 @@ def main() -> None:
         ready.append(({"system": system.name, "peer": key, "detail": system.detail, "P": world}, system))
     if args.mode == "e2e":
         results = run_e2e([system for _, system in ready], args.seq_lens, args.reps)
+    elif args.mode == "trace":
+        results = [run_trace(system, args.seq_lens) for _, system in ready]
     else:
         results = [
             run_memory(system, args.first_len, args.growth, args.budget_mib, args.max_len)

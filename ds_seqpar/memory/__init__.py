@@ -10,10 +10,20 @@ from typing import Any
 import torch
 
 from ds_seqpar.memory.checkpoint import LayerCheckpoint
+from ds_seqpar.memory.estimate import MemoryEstimate, largest_seq_len, memory_estimate
 from ds_seqpar.memory.offload import HostStore
 from ds_seqpar.memory.tiled_mlp import TilePlan, find_mlps, find_norms, tile_modules
 
-__all__ = ["HostStore", "LayerCheckpoint", "MemorySavings", "TilePlan", "enable_memory_savings"]
+__all__ = [
+    "HostStore",
+    "LayerCheckpoint",
+    "MemoryEstimate",
+    "MemorySavings",
+    "TilePlan",
+    "enable_memory_savings",
+    "largest_seq_len",
+    "memory_estimate",
+]
 
 
 @dataclass

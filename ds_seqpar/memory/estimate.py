@@ -1,0 +1,209 @@
+"""The memory model: predicted peak bytes per rank of one training step, by category (docs/memory.md).
+
+Legend: P = SP degree, n = S / P local tokens, B = micro-batch, E = hidden size, H / H_kv / D = query heads,
+K/V heads, head dim, I = MLP intermediate size (MoE: experts per token x expert size), V = vocabulary,
+L = decoder layers, b = bytes per activation element, W = ranks of the ZeRO group, N = parameters.
+
+Activations are counted in the sizes of one rank's tensors: a hidden state ``h = B·n·E·b``, queries
+``a_q = B·n·H·D·b``, keys or values ``a_kv``, an MLP intermediate ``B·n·I·b``. What each module of a
+Llama-style layer keeps for backward, and which phase of the step holds the peak (a layer's attention
+backward, its MLP backward, or the loss), is in docs/memory.md ("The memory model"); the counts were
+read off live-tensor traces of the step (``ds_seqpar/memory/trace.py``), and the memory suite
+compares prediction and measurement at every probe.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+LOSS_CHUNK_TENSORS = 4  # fp32 [B, c, V] tensors of one logits chunk: logits, log-softmax, their gradients
+
+
+@dataclass
+class MemoryEstimate:
+    """Predicted bytes per rank. ``device`` categories add up to ``device_peak``; ``host`` is the
+    offloaded checkpoints (host memory, not on the device)."""
+
+    device: dict[str, int] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
+    resting: set[str] = field(default_factory=set)  # device categories allocated before the step
+    phase: str = ""  # where the step's peak is: "layer backward" or "loss"
+
+    @property
+    def device_peak(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def activation_peak(self) -> int:
+        """The part that grows with the sequence (activations, checkpoints on the device, logits chunk)."""
+        return sum(
+            v for k, v in self.device.items() if k.startswith(("activations", "checkpoints", "logits"))
+        )
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host.values())
+
+    def step_bytes(self) -> int:
+        """What one step allocates on top of the resting state (parameters, optimizer states, persistent
+        gradients, and the pooled host buffers of the offloaded checkpoints, which the first step
+        allocates and later steps reuse): the growth a step shows."""
+        return sum(v for k, v in self.device.items() if k not in self.resting)
+
+    def table(self) -> str:
+        rows = [f"  {k:<58} {v / 2**20:10.1f} MiB" for k, v in self.device.items()]
+        rows.append(f"  {'= device peak per rank':<58} {self.device_peak / 2**20:10.1f} MiB")
+        rows += [f"  {k + ' (host)':<58} {v / 2**20:10.1f} MiB" for k, v in self.host.items()]
+        return "\n".join(rows)
+
+
+def _get(config: Any, name: str, default: Any = None) -> Any:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = text.get(name, default) if isinstance(text, dict) else getattr(text, name, default)
+    return default if value is None else value
+
+
+def _param_count(cfg: Any) -> tuple[int, int]:
+    """(all parameters, parameters of one decoder layer) of a Llama-style config."""
+    e, v, layers = _get(cfg, "hidden_size"), _get(cfg, "vocab_size"), _get(cfg, "num_hidden_layers")
+    h = _get(cfg, "num_attention_heads")
+    kv = _get(cfg, "num_key_value_heads", h)
+    d = _get(cfg, "head_dim", e // h)
+    experts = _get(cfg, "num_experts", _get(cfg, "num_local_experts", 0)) or 0
+    inter = (
+        _get(cfg, "moe_intermediate_size", _get(cfg, "intermediate_size"))
+        if experts
+        else _get(cfg, "intermediate_size")
+    )
+    mlp = 3 * e * inter * max(1, experts) + (e * experts if experts else 0)
+    layer = e * d * (2 * h + 2 * kv) + mlp + 2 * e
+    embed = v * e * (1 if _get(cfg, "tie_word_embeddings", False) else 2)
+    return embed + layers * layer + e, layer
+
+
+def memory_estimate(
+    model_config: Any,
+    seq_len: int,
+    config: Any,
+    *,
+    world_size: int | None = None,
+    zero_stage: int = 3,
+    micro_batch: int = 1,
+    bytes_per_element: int = 4,
+    loss_chunk: int = 1024,
+    optimizer_states: int = 2,
+) -> MemoryEstimate:
+    """Predicted peak bytes per rank of one step (forward, backward, optimizer) of a causal LM.
+
+    Args:
+        model_config: the HF config (or a dict) of a Llama-style decoder (MoE: ``num_experts`` /
+            ``num_local_experts``, ``moe_intermediate_size``, ``num_experts_per_tok``).
+        seq_len: S, tokens per sequence (split over the ``size`` SP ranks).
+        config: the ``sequence_parallel`` section (``SequenceParallelConfig`` or a dict), validated
+            against the model: its ``memory`` settings and U decide what is kept.
+        world_size: ranks in the ZeRO group (default: ``size``); zero_stage: 0-3.
+        bytes_per_element: 4 (fp32) or 2 (bf16 / fp16 activations and parameters; master weights,
+            gradients and optimizer states are counted in fp32).
+        loss_chunk: tokens per logits chunk; optimizer_states: fp32 states per parameter (AdamW: 2).
+    """
+    from ds_seqpar.config import SequenceParallelConfig, parse_section
+
+    section = config if isinstance(config, SequenceParallelConfig) else parse_section(config)
+    section = section.validate(model_config, None)
+    p, u = section.size, section.resolved_ulysses_degree
+    r = p // u
+    mem = section.memory
+    world = world_size or p
+    b, B = bytes_per_element, micro_batch
+    n = math.ceil(seq_len / p)
+    e, v, layers = (
+        _get(model_config, "hidden_size"),
+        _get(model_config, "vocab_size"),
+        _get(model_config, "num_hidden_layers"),
+    )
+    heads = _get(model_config, "num_attention_heads")
+    kv = _get(model_config, "num_key_value_heads", heads)
+    d = _get(model_config, "head_dim", e // heads)
+    experts = _get(model_config, "num_experts", _get(model_config, "num_local_experts", 0)) or 0
+    if experts:
+        inter = _get(model_config, "moe_intermediate_size", _get(model_config, "intermediate_size"))
+        inter *= _get(model_config, "num_experts_per_tok", 1)
+    else:
+        inter = _get(model_config, "intermediate_size")
+
+    # sizes of one rank's tensors (docs/memory.md "The memory model")
+    h = B * n * e * b  # one hidden state
+    a_q = B * n * heads * d * b  # queries (or the attention output) of this rank's tokens, all heads
+    a_kv = B * n * max(kv, u) * d * b  # keys or values (K/V heads replicated when U > H_kv)
+    lse = B * n * heads * 4
+    mlp_act = B * n * inter * b  # one MLP intermediate
+    rope = 2 * B * n * d * b  # cos, sin (shared by the layers)
+    tile = min(n, mem.mlp_tile_tokens if mem.mlp_tile_tokens != "auto" else max(1024, e))
+
+    norm_kept = h if mem.tiled_norms else 2 * h  # output (+ the normalised input when not tiled)
+    attn_kept = 2 * a_q + 2 * a_kv + lse  # q, k, v, output, lse
+    attn_kept += a_q if p > 1 else 0  # the output again in the token layout
+    mlp_kept = 0 if mem.tiled_mlp else 4 * mlp_act  # gate, up, activation, product
+    layer_kept = 2 * norm_kept + attn_kept + mlp_kept + 2 * h  # + the two residual sums
+    attn_backward = (
+        3 * a_q + 2 * a_kv + (2 * a_kv if r > 1 else 0)
+    )  # dout (+ copy), dq, dk, dv; travelling dK/dV
+    # the MLP's backward: a tile's intermediates re-run (gate, up, activation, product) and one gradient,
+    # or, untiled, two gradients of [n, I] next to the kept intermediates
+    mlp_backward = 5 * B * tile * inter * b if mem.tiled_mlp else 2 * mlp_act
+    final_norm = h if mem.tiled_norms else 2 * h
+    logits = LOSS_CHUNK_TENSORS * B * min(loss_chunk, n) * v * 4
+
+    n_params, layer_params = _param_count(model_config)
+    shard = world if zero_stage >= 3 else 1
+    est = MemoryEstimate()
+    est.device["parameters (ZeRO shard)"] = n_params * b // shard
+    est.resting.add("parameters (ZeRO shard)")
+    if zero_stage >= 3:
+        est.device["parameters (one layer gathered)"] = layer_params * b
+    est.device["gradients"] = n_params * 4 // (world if zero_stage >= 2 else 1)
+    if zero_stage >= 1:
+        est.resting.add("gradients")  # DeepSpeed keeps its (partitioned) gradient buffers
+    est.device["optimizer states"] = optimizer_states * n_params * 4 // (world if zero_stage >= 1 else 1)
+    est.resting.add("optimizer states")
+    if b < 4:
+        est.device["fp32 master weights"] = n_params * 4 // (world if zero_stage >= 1 else 1)
+        est.resting.add("fp32 master weights")
+    if mem.activation_checkpointing:
+        on_device = 1 if mem.offload else layers  # offload: only the last layer's input stays
+        est.device["checkpoints (layer inputs)"] = on_device * h
+        if mem.offload and layers > 1:
+            est.host["checkpoints (layer inputs)"] = (layers - 1) * h
+        phases = {
+            "attention backward": 3 * h + norm_kept + attn_kept + attn_backward + rope,
+            "MLP backward": 3 * h + layer_kept + mlp_backward + rope,
+            "loss": final_norm + h + logits,
+        }
+        est.phase = max(phases, key=phases.__getitem__)
+        est.device[f"activations (one layer re-run, peak in {est.phase})"] = phases[est.phase]
+    else:
+        est.device["activations (all layers)"] = layers * layer_kept + h  # + the embedding output
+        phases = {"backward start": final_norm + rope + 3 * h, "loss": final_norm + rope + logits}
+        est.phase = max(phases, key=phases.__getitem__)
+        est.device[f"activations (peak in {est.phase})"] = phases[est.phase]
+    return est
+
+
+def largest_seq_len(
+    model_config: Any, config: Any, budget_bytes: int, *, multiple: int = 1, **kwargs: Any
+) -> int:
+    """The largest S (a multiple of ``multiple``) whose predicted device peak fits ``budget_bytes``; 0 if none."""
+    lo, hi = 0, multiple
+    while memory_estimate(model_config, hi, config, **kwargs).device_peak <= budget_bytes and hi < 2**34:
+        lo, hi = hi, hi * 2
+    while hi - lo > multiple:
+        mid = (lo + hi) // 2 // multiple * multiple
+        if mid <= lo:
+            break
+        if memory_estimate(model_config, mid, config, **kwargs).device_peak <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid
+    return lo

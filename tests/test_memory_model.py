@@ -1,0 +1,120 @@
+"""The memory model (``ds_seqpar.memory_estimate``) against live-tensor traces of real steps, and its rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_seqpar import SeqParConfigError, largest_seq_len, memory_estimate
+from ds_seqpar.memory.trace import LiveBytes
+
+SAVINGS = {"activation_checkpointing": True, "offload": True, "tiled_mlp": True, "tiled_norms": True}
+LLAMA = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 133,
+}  # fmt: skip
+BIG = {**LLAMA, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+       "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}  # fmt: skip
+
+
+def test_categories_and_what_each_saving_changes():
+    plain = memory_estimate(BIG, 1 << 17, {"size": 8, "ulysses_degree": 8})
+    ckpt = memory_estimate(
+        BIG, 1 << 17, {"size": 8, "ulysses_degree": 8, "memory": {"activation_checkpointing": True}}
+    )
+    off = memory_estimate(BIG, 1 << 17, {"size": 8, "ulysses_degree": 8, "memory": SAVINGS})
+    assert plain.device_peak == sum(plain.device.values()) and plain.host_bytes == 0
+    assert ckpt.activation_peak < plain.activation_peak / 8  # 32 layers kept -> their inputs and one layer
+    h = (1 << 17) // 8 * 4096 * 4
+    assert ckpt.device["checkpoints (layer inputs)"] == 32 * h
+    assert off.device["checkpoints (layer inputs)"] == h and off.host["checkpoints (layer inputs)"] == 31 * h
+    assert off.device_peak < ckpt.device_peak
+    assert {"parameters (ZeRO shard)", "optimizer states", "gradients"} <= off.resting
+    assert off.step_bytes() == off.device_peak - sum(off.device[k] for k in off.resting)
+    assert "device peak per rank" in off.table()
+
+
+def test_activations_scale_with_one_over_p():
+    """Activations per rank shrink ~1/P (ring buffers add a little at R > 1); parameters shard over ZeRO."""
+    one = memory_estimate(BIG, 1 << 18, {"size": 1, "memory": SAVINGS})
+    four = memory_estimate(BIG, 1 << 18, {"size": 4, "ulysses_degree": 4, "memory": SAVINGS})
+    assert 3.3 <= one.activation_peak / four.activation_peak <= 4.0  # the MLP tile does not shrink
+    assert one.device["parameters (ZeRO shard)"] == 4 * four.device["parameters (ZeRO shard)"]
+
+
+def test_largest_seq_len_is_the_boundary_of_the_budget():
+    cfg = {"size": 4, "ulysses_degree": 2, "memory": SAVINGS}
+    budget = 48 * 2**20
+    s = largest_seq_len(LLAMA, cfg, budget, multiple=512, zero_stage=0)
+    assert s > 0 and s % 512 == 0
+    assert memory_estimate(LLAMA, s, cfg, zero_stage=0).device_peak <= budget
+    assert memory_estimate(LLAMA, s + 512, cfg, zero_stage=0).device_peak > budget
+    assert largest_seq_len(LLAMA, cfg, 1, multiple=512) == 0
+
+
+def test_bad_section_is_refused_by_name():
+    with pytest.raises(SeqParConfigError, match=r"memory\.checkpointing"):
+        memory_estimate(LLAMA, 4096, {"size": 1, "memory": {"checkpointing": True}})
+    with pytest.raises(SeqParConfigError, match=r"ulysses_degree=3 does not divide size=4"):
+        memory_estimate(LLAMA, 4096, {"size": 4, "ulysses_degree": 3})
+
+
+# ------------------------------------------------------------------------------ against traced steps
+
+
+def traced_step_vs_model(seq_lens: list[int], memory: dict) -> list[tuple[int, float, float]]:
+    """(S, traced peak MiB, predicted MiB) of one training step of the tiny Llama per S on this group."""
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ds_seqpar import SeqParCausalLM, SeqParMesh, SequenceParallelConfig, shard_batch
+    from ds_seqpar.config import auto_ulysses_degree
+
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    cfg = AutoConfig.from_pretrained("assets/tiny-llama")
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    u = auto_ulysses_degree(world, cfg.num_attention_heads, cfg.num_key_value_heads)
+    mesh = SeqParMesh.build(world, u)
+    mesh.config = SequenceParallelConfig(size=world, ulysses_degree=u, memory=memory)
+    sp = SeqParCausalLM(model, mesh).train()
+    opt = torch.optim.AdamW(sp.parameters(), lr=1e-4)
+    rows = []
+    for seq_len in seq_lens:
+        ids = torch.randint(4, cfg.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(seq_len))
+        for traced in (False, True):  # the first step creates the optimizer states
+            mode = LiveBytes()
+            with mode if traced else torch.enable_grad():
+                loss = sp(**shard_batch({"input_ids": ids}, mesh))
+                loss.backward()
+                for p in sp.parameters():
+                    if p.grad is not None and world > 1:
+                        dist.all_reduce(p.grad)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        est = memory_estimate(cfg, seq_len, mesh.config, zero_stage=0)
+        rows.append((seq_len, mode.peak / 2**20, est.step_bytes() / 2**20))
+    return rows
+
+
+@pytest.mark.parametrize(("world", "seq_lens"), [(1, [2048, 4096, 8192]), (4, [4096, 8192, 16384])])
+def test_model_predicts_the_traced_peak_within_15_percent(dist_pool, world, seq_lens):
+    """P = 1 and P = 4 (U 2 x R 2: ring buffers, the output in two layouts), all savings and none."""
+    for memory in ({}, SAVINGS):
+        for rank_rows in dist_pool(world).run(traced_step_vs_model, seq_lens, memory):
+            for seq_len, traced, predicted in rank_rows:
+                assert abs(predicted - traced) <= 0.15 * traced, (memory, seq_len, traced, predicted)
+
+
+def test_docs_memory_snippets_run_as_written(capsys):
+    """Every ```python block of docs/memory.md runs as written (from the repository root)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "memory.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) == 2
+    for block in blocks:
+        exec(compile(block, "docs/memory.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "device peak per rank" in out and "peak" in out and "backward:" in out
