@@ -101,7 +101,7 @@ def main() -> None:
         "window": args.window if args.model == "window" else None,
         "S": args.seq_len,
         "P": world,
-        "mesh": mesh.describe(),
+        "mesh": f"U {mesh.ulysses_size} x R {mesh.ring_size}",
         "loss": float(loss.detach()),
         "step_s": seconds.item(),
         "peak_rss_MiB_per_rank": peaks,

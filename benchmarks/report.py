@@ -129,7 +129,7 @@ def memory_markdown(result: dict) -> str:
     ]
     head = (
         f"Largest sequence whose training step ({result['meta']['model']}) stays within "
-        f"{result['meta']['budget_MiB_per_rank']:.0f} MiB of peak resident memory growth per rank (S grows by 1.25x per probe). "
+        f"{result['meta']['budget_MiB_per_rank']:.0f} MiB of peak resident memory growth per rank (S grows by 1.25x per probe, then 3 bisection probes). "
         "`_savings` rows: every memory saving each system ships (ds_seqpar: `sequence_parallel.memory` all on; ALST: "
         "checkpointing, TiledMLP, TiledFusedLogitsLoss). The memory model column is `ds_seqpar.memory_estimate(...)"
         ".step_bytes()` for the same step.\n\n"

@@ -200,6 +200,27 @@ def suite_e2e(args: argparse.Namespace) -> dict:
     }
 
 
+def memory_summary(rows: list[dict]) -> list[dict]:
+    """Per (system, P): the largest S that fit, its ratio to P = 1 and to the ALST row of the same savings."""
+    largest = {}
+    for row in rows:
+        if row["status"] == "ok" and row["fits"]:
+            key = (row["peer"], row["P"])
+            largest[key] = max(largest.get(key, 0), row["S"])
+    return [
+        {
+            "peer": peer,
+            "P": world,
+            "largest_S": s,
+            "vs_P1": s / largest[(peer, 1)] if (peer, 1) in largest else float("nan"),
+            "vs_alst": s / largest[(peer.replace("ds_seqpar", "alst"), world)]
+            if peer.startswith("ds_seqpar") and (peer.replace("ds_seqpar", "alst"), world) in largest
+            else None,
+        }
+        for (peer, world), s in sorted(largest.items())
+    ]
+
+
 def suite_memory(args: argparse.Namespace) -> dict:
     worlds = [1, 2] if args.quick else [1, 2, 4]
     budget = args.budget_mib / (4 if args.quick else 1)
@@ -216,23 +237,7 @@ def suite_memory(args: argparse.Namespace) -> dict:
             MEMORY_SYSTEMS,
         ]
         rows += _worker_rows(world, "benchmarks.suites.e2e", extra, timeout=args.timeout, env=MEMORY_ENV)
-    largest = {}
-    for row in rows:
-        if row["status"] == "ok" and row["fits"]:
-            key = (row["peer"], row["P"])
-            largest[key] = max(largest.get(key, 0), row["S"])
-    summary = [
-        {
-            "peer": peer,
-            "P": world,
-            "largest_S": s,
-            "vs_P1": s / largest[(peer, 1)] if (peer, 1) in largest else float("nan"),
-            "vs_alst": s / largest[(peer.replace("ds_seqpar", "alst"), world)]
-            if peer.startswith("ds_seqpar") and (peer.replace("ds_seqpar", "alst"), world) in largest
-            else None,
-        }
-        for (peer, world), s in sorted(largest.items())
-    ]
+    summary = memory_summary(rows)
     return {
         "meta": {
             "machine": _machine(),

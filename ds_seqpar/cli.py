@@ -225,17 +225,21 @@ def memory_report(args: argparse.Namespace, world: int, seq_len: int | None = No
     """The memory model's estimate for this run (per rank), from the config, model and world."""
     from ds_seqpar.memory import memory_estimate
 
-    ds = args.ds_config_dict
-    bf16 = bool(ds.get("bf16", {}).get("enabled")) or bool(ds.get("fp16", {}).get("enabled"))
     return memory_estimate(
-        _model_config(args),
-        seq_len or args.seq_len,
-        args.section,
-        world_size=world,
-        zero_stage=int(ds.get("zero_optimization", {}).get("stage", 0)),
-        micro_batch=int(ds.get("train_micro_batch_size_per_gpu", 1)),
-        bytes_per_element=2 if bf16 else 4,
+        _model_config(args), seq_len or args.seq_len, args.section, **_run_sizes(args, world)
     )
+
+
+def _run_sizes(args: argparse.Namespace, world: int) -> dict[str, int]:
+    """The memory model's keyword arguments that the DeepSpeed config and the world decide."""
+    ds = args.ds_config_dict
+    half = bool(ds.get("bf16", {}).get("enabled")) or bool(ds.get("fp16", {}).get("enabled"))
+    return {
+        "world_size": world,
+        "zero_stage": int(ds.get("zero_optimization", {}).get("stage", 0)),
+        "micro_batch": int(ds.get("train_micro_batch_size_per_gpu", 1)),
+        "bytes_per_element": 2 if half else 4,
+    }
 
 
 def max_seq_len_search(args: argparse.Namespace, world: int) -> int:
@@ -248,17 +252,8 @@ def max_seq_len_search(args: argparse.Namespace, world: int) -> int:
     u = resolved.resolved_ulysses_degree
     kind, granularity = resolved.ring_layout
     multiple = UspLayout(SeqLayout(kind, resolved.size // u, granularity), u).multiple
-    ds = args.ds_config_dict
-    bf16 = bool(ds.get("bf16", {}).get("enabled")) or bool(ds.get("fp16", {}).get("enabled"))
     best = largest_seq_len(
-        _model_config(args),
-        args.section,
-        budget,
-        multiple=multiple,
-        world_size=world,
-        zero_stage=int(ds.get("zero_optimization", {}).get("stage", 0)),
-        micro_batch=int(ds.get("train_micro_batch_size_per_gpu", 1)),
-        bytes_per_element=2 if bf16 else 4,
+        _model_config(args), args.section, budget, multiple=multiple, **_run_sizes(args, world)
     )
     print(
         f"max-seq-len-search: {args.max_seq_len_search:g} MiB per rank, {world} ranks, memory "

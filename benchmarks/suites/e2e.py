@@ -12,7 +12,8 @@ Systems:
                contiguous shards with global position_ids
 
 ``e2e`` mode: time (median of slowest rank), tokens/s and peak memory per rank for each S.
-``memory`` mode: for growing S, the peak memory per rank of one step, until it passes ``--budget-mib``.
+``memory`` mode: for growing S, the peak memory per rank of one step, until it passes ``--budget-mib``;
+then 3 bisection probes between the last S that fits and the first that does not.
 """
 
 from __future__ import annotations
@@ -45,6 +46,18 @@ def _model(attn: str) -> torch.nn.Module:
 def _ids(seq_len: int, vocab: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seq_len)
     return torch.randint(4, vocab, (1, seq_len), generator=g)
+
+
+def _finish_step(model: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor) -> float:
+    """Backward, gradient sum over the ranks, optimizer step; the loss summed over the ranks."""
+    loss.backward()
+    _sum_grads(model)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    total = loss.detach().clone()
+    if dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return float(total)
 
 
 def _sum_grads(model: torch.nn.Module) -> None:
@@ -94,6 +107,7 @@ class DsSeqpar:
 
 
 class Alst:
+    mpu: Any = None
     name = "DeepSpeed ALST (UlyssesSPAttentionHF)"
     detail = "register_with_transformers(core 'sdpa'), contiguous shards, global position_ids"
 
@@ -104,13 +118,14 @@ class Alst:
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         self.model = _model("sdpa")
         world = dist.get_world_size()
-        self.mpu = UlyssesSPAttentionHF.register_with_transformers(
-            model_name_or_path=self.model,
-            core_attn_implementation="sdpa",
-            sequence_parallel_size=world,
-            micro_batch_size=1,
-            seq_length_is_variable=True,
-        )
+        if Alst.mpu is None:  # DeepSpeed builds its SP group once per process: the ALST systems share it
+            Alst.mpu = UlyssesSPAttentionHF.register_with_transformers(
+                model_name_or_path=self.model,
+                core_attn_implementation="sdpa",
+                sequence_parallel_size=world,
+                micro_batch_size=1,
+                seq_length_is_variable=True,
+            )
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.vocab = self.model.config.vocab_size
 
@@ -127,14 +142,7 @@ class Alst:
         )
         count = (labels != -100).sum().float()  # the whole sequence's labelled tokens
         loss = local / count
-        loss.backward()
-        _sum_grads(self.model)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        total = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(total)
-        return float(total)
+        return _finish_step(self.model, self.opt, loss)
 
 
 class DsSeqparSavings(DsSeqpar):
@@ -200,14 +208,7 @@ class AlstSavings(Alst):
         )
         count = (labels != -100).sum().float()
         loss = local / count
-        loss.backward()
-        _sum_grads(self.model)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        total = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(total)
-        return float(total)
+        return _finish_step(self.model, self.opt, loss)
 
 
 SYSTEMS = {
@@ -257,12 +258,16 @@ def run_e2e(systems: list, seq_lens: list[int], reps: int) -> list[list[dict]]:
     return rows
 
 
-def run_memory(system, start: int, growth: float, budget_mib: float, max_len: int) -> list[dict]:
+def run_memory(
+    system, start: int, growth: float, budget_mib: float, max_len: int, refine: int = 3
+) -> list[dict]:
+    """Probe S growing by ``growth`` until a step's peak passes the budget, then bisect ``refine`` times
+    between the last length that fits and the first that does not (resolution growth^(1/2^refine))."""
     world = dist.get_world_size()
     multiple = 2 * world * 64
-    rows, seq_len = [], start
-    while seq_len <= max_len:
-        seq_len = max(multiple, seq_len // multiple * multiple)
+    rows: list[dict] = []
+
+    def probe(seq_len: int) -> bool:
         ids = _ids(seq_len, system.vocab)
         system.step(ids)  # warm-up (optimizer state, caches)
         with measure.PeakMemory() as mem:
@@ -272,9 +277,24 @@ def run_memory(system, start: int, growth: float, budget_mib: float, max_len: in
                      **(_predicted(system, seq_len) or {})})  # fmt: skip
         if dist.get_rank() == 0:
             print(f"[memory P={world}] {system.name} S={seq_len}: peak {peak:.1f} MiB/rank", flush=True)
-        if peak > budget_mib:
+        return peak <= budget_mib
+
+    seq_len, fits, fails = start, 0, None
+    while seq_len <= max_len:
+        seq_len = max(multiple, seq_len // multiple * multiple)
+        if not probe(seq_len):
+            fails = seq_len
             break
+        fits = seq_len
         seq_len = int(seq_len * growth) + multiple
+    for _ in range(refine if fails is not None and fits else 0):
+        mid = (fits + fails) // 2 // multiple * multiple
+        if mid <= fits:
+            break
+        if probe(mid):
+            fits = mid
+        else:
+            fails = mid
     return rows
 
 
