@@ -218,7 +218,10 @@ def _with_memory(section: Any, choice: str, parser: argparse.ArgumentParser) -> 
     if not ({"tiled_mlp", "tiled_norms"} & set(names)):
         memory.pop("mlp_tile_tokens", None)
     dumped = section.model_dump(exclude_unset=True)
-    return parse_section({**dumped, "memory": memory})
+    try:
+        return parse_section({**dumped, "memory": memory})
+    except SeqParConfigError as exc:
+        parser.error(f"--memory={choice!r}: {exc}")
 
 
 def memory_report(args: argparse.Namespace, world: int, seq_len: int | None = None) -> Any:

@@ -38,6 +38,10 @@ def test_help_documents_every_flag():
         (["--curriculum", "1024"], "--curriculum='1024': use SEQ:STEPS"),
         (["--seq-len", "100"], "the embedded passkey task needs sequences of at least 137 tokens"),
         (["--memory", "checkpoint"], "--memory='checkpoint': unknown saving(s) ['checkpoint']"),
+        (
+            ["--memory", "offload"],
+            "--memory='offload': sequence_parallel.memory.offload=true offloads the inputs",
+        ),
     ],
 )
 def test_bad_flags_exit_with_a_message(capsys, argv, message):
