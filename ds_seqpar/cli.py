@@ -156,6 +156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("seq_len", "max_steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.max_seq_len_search is not None and not args.max_seq_len_search > 0:
+        parser.error(f"--max-seq-len-search={args.max_seq_len_search:g} must be a budget > 0 MiB per rank")
     if args.save_every < 0 or args.eval_every < 0 or args.eval_samples < 1:
         parser.error("--save-every and --eval-every must be >= 0 and --eval-samples >= 1")
     curriculum = args.curriculum or (
@@ -251,13 +253,12 @@ def max_seq_len_search(args: argparse.Namespace, world: int) -> int:
     from ds_seqpar.memory import largest_seq_len
 
     budget = int(args.max_seq_len_search * 2**20)
-    resolved = args.section.validate(_model_config(args), None)
+    model_config = _model_config(args)
+    resolved = args.section.validate(model_config, None)
     u = resolved.resolved_ulysses_degree
     kind, granularity = resolved.ring_layout
     multiple = UspLayout(SeqLayout(kind, resolved.size // u, granularity), u).multiple
-    best = largest_seq_len(
-        _model_config(args), args.section, budget, multiple=multiple, **_run_sizes(args, world)
-    )
+    best = largest_seq_len(model_config, args.section, budget, multiple=multiple, **_run_sizes(args, world))
     print(
         f"max-seq-len-search: {args.max_seq_len_search:g} MiB per rank, {world} ranks, memory "
         f"{args.section.memory.model_dump()}: largest --seq-len {best} (a multiple of {multiple})",

@@ -57,6 +57,11 @@ def test_bad_section_is_refused_by_name():
         memory_estimate(LLAMA, 4096, {"size": 1, "memory": {"checkpointing": True}})
     with pytest.raises(SeqParConfigError, match=r"ulysses_degree=3 does not divide size=4"):
         memory_estimate(LLAMA, 4096, {"size": 4, "ulysses_degree": 3})
+    no_mlp = {k: v for k, v in LLAMA.items() if k != "intermediate_size"}
+    with pytest.raises(ValueError, match=r"the model config has no intermediate_size"):
+        memory_estimate(no_mlp, 4096, {"size": 1})
+    with pytest.raises(ValueError, match=r"zero_stage=4 must be 0-3"):
+        memory_estimate(LLAMA, 4096, {"size": 1}, zero_stage=4)
 
 
 # ------------------------------------------------------------------------------ against traced steps

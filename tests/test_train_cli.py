@@ -38,6 +38,7 @@ def test_help_documents_every_flag():
         (["--curriculum", "1024"], "--curriculum='1024': use SEQ:STEPS"),
         (["--seq-len", "100"], "the embedded passkey task needs sequences of at least 137 tokens"),
         (["--memory", "checkpoint"], "--memory='checkpoint': unknown saving(s) ['checkpoint']"),
+        (["--max-seq-len-search", "0"], "--max-seq-len-search=0 must be a budget > 0 MiB per rank"),
         (
             ["--memory", "offload"],
             "--memory='offload': sequence_parallel.memory.offload=true offloads the inputs",

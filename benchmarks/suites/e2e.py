@@ -300,7 +300,7 @@ def run_memory(
 
 def _predicted(system: Any, seq_len: int) -> dict | None:
     """The memory model's in-step bytes for a ds_seqpar system (None for peers): what one step allocates
-    on top of the resting parameters and optimizer states, on this CPU (host and device are one)."""
+    on top of the resting state (``MemoryEstimate.step_bytes``)."""
     if not isinstance(system, DsSeqpar):
         return None
     from ds_seqpar import memory_estimate

@@ -65,22 +65,54 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def _param_count(cfg: Any) -> tuple[int, int]:
-    """(all parameters, parameters of one decoder layer) of a Llama-style config."""
-    e, v, layers = _get(cfg, "hidden_size"), _get(cfg, "vocab_size"), _get(cfg, "num_hidden_layers")
-    h = _get(cfg, "num_attention_heads")
-    kv = _get(cfg, "num_key_value_heads", h)
-    d = _get(cfg, "head_dim", e // h)
-    experts = _get(cfg, "num_experts", _get(cfg, "num_local_experts", 0)) or 0
-    inter = (
-        _get(cfg, "moe_intermediate_size", _get(cfg, "intermediate_size"))
-        if experts
-        else _get(cfg, "intermediate_size")
-    )
-    mlp = 3 * e * inter * max(1, experts) + (e * experts if experts else 0)
-    layer = e * d * (2 * h + 2 * kv) + mlp + 2 * e
-    embed = v * e * (1 if _get(cfg, "tie_word_embeddings", False) else 2)
-    return embed + layers * layer + e, layer
+@dataclass(frozen=True)
+class _Dims:
+    """The sizes of a Llama-style decoder that the model reads (``inter``: the MLP width one token uses,
+    ``experts`` x the expert size over ``experts_per_token`` for MoE)."""
+
+    hidden: int
+    vocab: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    experts: int
+    expert_inter: int
+    tied: bool
+
+    @staticmethod
+    def read(cfg: Any) -> _Dims:
+        missing = [k for k in ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads")
+                   if _get(cfg, k) is None]  # fmt: skip
+        experts = _get(cfg, "num_experts", _get(cfg, "num_local_experts", 0)) or 0
+        expert_inter = _get(cfg, "moe_intermediate_size", _get(cfg, "intermediate_size")) if experts else 0
+        dense_inter = _get(cfg, "intermediate_size")
+        if (expert_inter if experts else dense_inter) is None:
+            missing.append("moe_intermediate_size" if experts else "intermediate_size")
+        if missing:
+            raise ValueError(
+                f"memory_estimate: the model config has no {', '.join(missing)}; it models Llama-style decoders "
+                "(hidden_size, intermediate_size, heads, layers, vocab_size): pass a config or dict with them"
+            )
+        e, h = _get(cfg, "hidden_size"), _get(cfg, "num_attention_heads")
+        inter = expert_inter * _get(cfg, "num_experts_per_tok", 1) if experts else dense_inter
+        return _Dims(
+            e, _get(cfg, "vocab_size"), _get(cfg, "num_hidden_layers"), h, _get(cfg, "num_key_value_heads", h),
+            _get(cfg, "head_dim", e // h), inter, experts, expert_inter, bool(_get(cfg, "tie_word_embeddings", False)),
+        )  # fmt: skip
+
+    def params(self) -> tuple[int, int]:
+        """(all parameters, parameters of one decoder layer)."""
+        e = self.hidden
+        mlp = (
+            3 * e * self.expert_inter * self.experts + e * self.experts
+            if self.experts
+            else 3 * e * self.inter
+        )
+        layer = e * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + mlp + 2 * e
+        embed = self.vocab * e * (1 if self.tied else 2)
+        return embed + self.layers * layer + e, layer
 
 
 def memory_estimate(
@@ -110,6 +142,11 @@ def memory_estimate(
     """
     from ds_seqpar.config import SequenceParallelConfig, parse_section
 
+    if zero_stage not in (0, 1, 2, 3) or bytes_per_element not in (2, 4):
+        raise ValueError(
+            f"memory_estimate: zero_stage={zero_stage!r} must be 0-3 and bytes_per_element={bytes_per_element!r} "
+            "2 (bf16 / fp16) or 4 (fp32)"
+        )
     section = config if isinstance(config, SequenceParallelConfig) else parse_section(config)
     section = section.validate(model_config, None)
     p, u = section.size, section.resolved_ulysses_degree
@@ -118,20 +155,16 @@ def memory_estimate(
     world = world_size or p
     b, B = bytes_per_element, micro_batch
     n = math.ceil(seq_len / p)
-    e, v, layers = (
-        _get(model_config, "hidden_size"),
-        _get(model_config, "vocab_size"),
-        _get(model_config, "num_hidden_layers"),
+    dims = _Dims.read(model_config)
+    e, v, layers, heads, kv, d, inter = (
+        dims.hidden,
+        dims.vocab,
+        dims.layers,
+        dims.heads,
+        dims.kv_heads,
+        dims.head_dim,
+        dims.inter,
     )
-    heads = _get(model_config, "num_attention_heads")
-    kv = _get(model_config, "num_key_value_heads", heads)
-    d = _get(model_config, "head_dim", e // heads)
-    experts = _get(model_config, "num_experts", _get(model_config, "num_local_experts", 0)) or 0
-    if experts:
-        inter = _get(model_config, "moe_intermediate_size", _get(model_config, "intermediate_size"))
-        inter *= _get(model_config, "num_experts_per_tok", 1)
-    else:
-        inter = _get(model_config, "intermediate_size")
 
     # sizes of one rank's tensors (docs/memory.md "The memory model")
     h = B * n * e * b  # one hidden state
@@ -156,7 +189,7 @@ def memory_estimate(
     final_norm = h if mem.tiled_norms else 2 * h
     logits = LOSS_CHUNK_TENSORS * B * min(loss_chunk, n) * v * 4
 
-    n_params, layer_params = _param_count(model_config)
+    n_params, layer_params = dims.params()
     shard = world if zero_stage >= 3 else 1
     est = MemoryEstimate()
     est.device["parameters (ZeRO shard)"] = n_params * b // shard

@@ -324,8 +324,8 @@ def _window_tasks(
     if max(qb - qa, kb - ka) <= 4 * tile:
         return None
     qp, kp = q_pos[qa:qb], k_pos[ka:kb]
-    if not (_consecutive(qp) and _consecutive(kp)):
-        return None
+    if quick_block_kind(qp, kp, spec) is not None or not (_consecutive(qp) and _consecutive(kp)):
+        return None  # the whole pair is one EMPTY / FULL / CAUSAL call, or its positions are not runs
     q0, k0, nk = int(qp[0]), int(kp[0]), kb - ka
     shared: dict[tuple[int, int, int], _BlockTask] = {}
     tasks: list[_BlockTask] = []
