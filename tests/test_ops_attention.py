@@ -595,3 +595,26 @@ def test_ops_layer_has_no_process_group_imports() -> None:
                 names = [node.module]
             bad = [n for n in names if n.startswith(forbidden)]
             assert not bad, f"{path.name} imports {bad}: the ops layer must stay free of process groups"
+
+
+@pytest.mark.parametrize("consume", [False, True])
+def test_merge_in_place_lean_path_equals_merge_bitwise(consume: bool) -> None:
+    """merge_attn_ on a slice (the ring's path) adds ``w · (blk - acc)`` in place: the same bits as
+    merge_attn, empty rows included (acc empty: take the block; block empty: keep; both: stays)."""
+    ninf = float("-inf")
+    q, k, v, _ = _inputs(16, 20, 2, 1, torch.float32, seed=5)
+    acc_out, acc_lse = dense_attention_reference(q, k[:, :8], v[:, :8])
+    blk_out, blk_lse = dense_attention_reference(q[:, 4:12], k[:, 8:], v[:, 8:])
+    acc_lse[:, :, 4:6] = ninf  # rows that saw no key yet (their out is garbage: NaN must not leak)
+    acc_out[:, 4:6] = float("nan")
+    blk_lse[:, :, 2:4] = ninf  # rows the block does not reach
+    blk_out[:, 2:4] = float("nan")
+    acc_lse[:, :, 10] = ninf  # both empty
+    acc_out[:, 10] = 0.0
+    blk_lse[:, :, 6] = ninf
+    blk_out[:, 6] = float("nan")
+    want_out, want_lse = merge_attn(acc_out[:, 4:12].nan_to_num(0.0), acc_lse[:, :, 4:12], blk_out, blk_lse)
+    merge_attn_(acc_out, acc_lse, blk_out.clone() if not consume else blk_out, blk_lse, slice(4, 12), consume)
+    got = acc_out[:, 4:12]
+    assert not got.isnan().any()
+    assert torch.equal(got, want_out.nan_to_num(0.0)) and torch.equal(acc_lse[:, :, 4:12], want_lse)

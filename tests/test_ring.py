@@ -480,3 +480,22 @@ def zigzag_block_counts() -> tuple[int, int]:
 def test_work_counter_counts_segment_blocks(dist_pool):
     """Zigzag, 2 ranks: 4 segment pairs per step; the own step skips 1 (upper half), the other step 2."""
     assert dist_pool(2).run(zigzag_block_counts) == [(5, 3), (5, 3)]
+
+
+def test_backward_cuts_joined_full_rectangles_at_segment_boundaries():
+    """The ring backward runs a joined FULL rectangle as one call per segment pair (its dq / dk / dv
+    parts exist for one pair at a time); single-pair, causal and window tasks are left as they are."""
+    from ds_seqpar.ops.masks import BlockKind
+    from ds_seqpar.parallel.ring import _BlockTask, _split_full
+
+    segments = [(0, 8), (8, 16)]
+    joined = _BlockTask(slice(0, 16), slice(0, 8), BlockKind.FULL, None, segment_pairs=2)
+    causal = _BlockTask(slice(0, 16), slice(0, 16), BlockKind.CAUSAL, None, segment_pairs=3)
+    tile = _BlockTask(slice(2, 6), slice(0, 16), BlockKind.FULL, None)
+    got = _split_full([joined, causal, tile], segments)
+    assert [(t.q_rows, t.k_rows) for t in got[:2]] == [
+        (slice(0, 8), slice(0, 8)),
+        (slice(8, 16), slice(0, 8)),
+    ]
+    assert got[2] is causal and got[3] is tile and len(got) == 4
+    assert sum(t.pairs for t in got[:2]) == joined.pairs

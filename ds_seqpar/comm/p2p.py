@@ -8,7 +8,9 @@ tensors moved together (K and V in forward, dK and dV accumulators in backward).
 batched isend to the next rank and irecv from the previous one, and returns a ``PendingExchange``
 whose ``wait()`` yields the received payload. Receives go into two alternating buffer sets
 (double buffering): the payload received at step s is computed on while step s+1 receives into
-the other set.
+the other set. A set is allocated when first used, and ``release()`` drops both at the end of every
+schedule call, so receive buffers exist only while one attention call runs (nothing is pooled
+across layers or steps).
 
 Schedules decide which block a rank holds at each step and when transfers are posted; they are
 generators so the attention math (``parallel/ring.py``) stays free of communication:
@@ -82,7 +84,7 @@ class RingComm:
         self.members = list(members)
         self.index = index
         self.stats = stats
-        self._buffers: dict[int, list[Payload]] = {}
+        self._buffers: dict[int, list[Payload | None]] = {}
         self._flip: dict[int, int] = {}
 
     @property
@@ -98,15 +100,20 @@ class RingComm:
         return self.members[(self.index - 1) % self.size]
 
     def _receive_buffers(self, payload: Payload, tag: int) -> Payload:
-        """The next of two alternating buffer sets for payloads of this shape (double buffering)."""
-        sets = self._buffers.get(tag)
-        if sets is None or any(b.shape != t.shape or b.dtype != t.dtype for b, t in zip(sets[0], payload)):
-            sets = [tuple(torch.empty_like(t) for t in payload) for _ in range(2)]
-            self._buffers[tag] = sets
-            self._flip[tag] = 0
-        slot = self._flip[tag]
+        """The next of two alternating buffer sets for payloads of this shape (double buffering),
+        allocated when first used."""
+        sets = self._buffers.setdefault(tag, [None, None])
+        slot = self._flip.get(tag, 0)
         self._flip[tag] = 1 - slot
-        return sets[slot]
+        got = sets[slot]
+        if got is None or any(b.shape != t.shape or b.dtype != t.dtype for b, t in zip(got, payload)):
+            got = sets[slot] = tuple(torch.empty_like(t) for t in payload)
+        return got
+
+    def release(self) -> None:
+        """Drop the receive buffers (the end of one schedule call); tensors handed out stay valid."""
+        self._buffers.clear()
+        self._flip.clear()
 
     def exchange(self, payload: Payload, tag: int = TAG_KV) -> PendingExchange:
         """Post ``payload`` to the next rank and a receive of the same shapes from the previous one.
@@ -137,6 +144,7 @@ class RingSchedule:
     inner: RingComm
     outer: RingComm | None = None
     overlap: bool = True
+    _incoming: PendingExchange | None = None
 
     @property
     def inner_size(self) -> int:
@@ -160,8 +168,27 @@ class RingSchedule:
         o = 0 if self.outer is None else self.outer.index
         return ((o - t) % self.outer_size) * self.inner_size + (self.inner.index - u) % self.inner_size
 
+    def _rings(self) -> list[RingComm]:
+        return [self.inner] if self.outer is None else [self.inner, self.outer]
+
+    def _release(self) -> None:
+        for ring in self._rings():
+            ring.release()
+
+    def incoming(self) -> Payload | None:
+        """The dK/dV accumulator that travelled here with the block being computed on (waits for it),
+        for the step's gradients to be added into in place; None when the block's accumulator starts
+        at this step. Gradients sent back may then be these very tensors (nothing is added twice)."""
+        return None if self._incoming is None else self._incoming.wait()
+
     def forward(self, kv: Payload) -> Iterator[Block]:
         """Yield every ring rank's K/V block once, starting with this rank's own."""
+        try:
+            yield from self._forward(kv)
+        finally:
+            self._release()
+
+    def _forward(self, kv: Payload) -> Iterator[Block]:
         r_in, r_out = self.inner_size, self.outer_size
         outer_cur = kv
         for t in range(r_out):
@@ -184,8 +211,16 @@ class RingSchedule:
 
         The gradient accumulator of a block travels with it around the inner ring and returns to
         the rank that brought it in from the outer ring, then travels the outer ring to its owner.
-        Gradients sent back must be fresh tensors (they are accumulated into in place).
+        Gradients sent back must be fresh tensors (they are accumulated into in place), or the
+        tensors ``incoming()`` returned for this step, already holding the step's gradients.
         """
+        try:
+            return (yield from self._backward(kv))
+        finally:
+            self._incoming = None
+            self._release()
+
+    def _backward(self, kv: Payload) -> Generator[Block, Payload, Payload]:
         r_in, r_out = self.inner_size, self.outer_size
         outer_cur = kv
         outer_acc: PendingExchange | None = None
@@ -200,12 +235,16 @@ class RingSchedule:
                 inner_next = None
                 if u + 1 < r_in and self.overlap:
                     inner_next = self.inner.exchange(cur)
+                self._incoming = inner_acc
                 grads = yield self.owner(t, u), cur
+                self._incoming = None
                 acc = _accumulate(inner_acc, grads)
+                del grads
+                if u + 1 < r_in:  # first the next block (its send copies go before dK/dV buffers come)
+                    cur = (inner_next or self.inner.exchange(cur)).wait()
                 if r_in > 1:  # the accumulator follows its block; the last send returns it home
                     inner_acc = self.inner.exchange(acc, TAG_GRAD)
-                if u + 1 < r_in:
-                    cur = (inner_next or self.inner.exchange(cur)).wait()
+                    acc = ()  # the send holds it until the exchange completes, no longer
             if inner_acc is not None:
                 acc = inner_acc.wait()
             if r_out > 1:
@@ -216,7 +255,7 @@ class RingSchedule:
                 outer_cur = (outer_next or self.outer.exchange(outer_cur)).wait()
         if outer_acc is not None:
             acc = outer_acc.wait()
-        return tuple(a.clone() for a in acc) if r_in * r_out > 1 else acc
+        return acc  # receive buffers are released after this call: the caller owns them
 
 
 def _accumulate(pending: PendingExchange | None, grads: Payload) -> Payload:
@@ -225,7 +264,8 @@ def _accumulate(pending: PendingExchange | None, grads: Payload) -> Payload:
         return grads
     received = pending.wait()
     for r, g in zip(received, grads):
-        r.add_(g)
+        if r is not g:  # ``g is r``: the step added into the arrived accumulator (``incoming()``)
+            r.add_(g)
     return received
 
 
@@ -273,6 +313,10 @@ class AllGatherSchedule:
         blocks = self._gather(kv)
         for j in self._order():
             yield j, blocks[j]
+
+    def incoming(self) -> None:
+        """No accumulator travels: gradients are summed here and reduce-scattered at the end."""
+        return None
 
     def backward(self, kv: Payload) -> Generator[Block, Payload, Payload]:
         blocks = self._gather(kv)

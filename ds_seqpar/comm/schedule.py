@@ -8,6 +8,8 @@ iterates it and never calls a collective itself:
     backward(kv)  a generator: yields ``(owner, kv_block)`` like ``forward``, receives via ``send`` the
                   gradients this rank computed for that block, and returns this rank's own K/V gradients
                   once every contribution has arrived
+    incoming()    during a backward step: the gradient accumulator that arrived with the current block
+                  (the step may add into it in place and send it back), or None
 
 Registered: ``p2p`` (single ring, or the double ring when ``ring.inner_size`` < R; overlap of transfer
 and compute optional) and ``all_gather`` (Llama-3 style). A new schedule is a class with this
@@ -34,6 +36,8 @@ class Schedule(Protocol):
     def forward(self, kv: Payload) -> Iterator[Block]: ...
 
     def backward(self, kv: Payload) -> Generator[Block, Payload, Payload]: ...
+
+    def incoming(self) -> Payload | None: ...
 
 
 def _p2p(mesh: Any, overlap: bool) -> Schedule:

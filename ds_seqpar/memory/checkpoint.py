@@ -123,17 +123,27 @@ class _CheckpointedCall(torch.autograd.Function):
             for x, need in zip(leaves, ctx.needs)
         ]
 
+        saved: set[int] = set()  # storages the re-run's graph saved for its backward
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            saved.add(t.untyped_storage().data_ptr())
+            return t
+
         def run() -> Any:
             func, args, kwargs = tree_unflatten(inputs, ctx.spec)
-            return func(*args, **kwargs)
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                return func(*args, **kwargs)
 
         out = ctx.state.rerun(run)
         out_leaves, _ = tree_flatten(out)
+        del out
         outs, grads_in = [], []
         for t, g in zip((x for x in out_leaves if isinstance(x, torch.Tensor)), grads):
             if g is not None and t.requires_grad:
                 outs.append(t)
                 grads_in.append(g)
+        del out_leaves
+        _free_unsaved_outputs(outs, saved, inputs)
         if outs:
             torch.autograd.backward(outs, grads_in)
         store.release(handle)
@@ -142,6 +152,29 @@ class _CheckpointedCall(torch.autograd.Function):
             x.grad if isinstance(x, torch.Tensor) and need else None for x, need in zip(inputs, ctx.needs)
         ]
         return (None, None, None, None, None, *leaf_grads)
+
+
+def _free_unsaved_outputs(outs: list[torch.Tensor], saved: set[int], inputs: list[Any]) -> None:
+    """Free the data of re-run outputs that their backward never reads, before back-propagating.
+
+    ``torch.autograd.backward`` needs only an output's graph node and shape, but the list handed to
+    it keeps the whole tensor alive during the layer's backward: one hidden state at the peak. An
+    output qualifies when it is the result of an addition (the residual sum that ends a decoder
+    layer; its backward saves nothing), is not a view, and shares its storage with no saved tensor,
+    input or other output. Its storage is then resized to 0; the graph is unchanged.
+    """
+    ptrs = [t.untyped_storage().data_ptr() for t in outs]
+    taken = saved | {x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor)}
+    for t, ptr in zip(outs, ptrs):
+        node = t.grad_fn
+        if (
+            node is not None
+            and type(node).__name__ == "AddBackward0"
+            and t._base is None
+            and ptr not in taken
+            and ptrs.count(ptr) == 1
+        ):
+            t.untyped_storage().resize_(0)
 
 
 class LayerCheckpoint:

@@ -176,13 +176,17 @@ def memory_estimate(
     tile = min(n, mem.mlp_tile_tokens if mem.mlp_tile_tokens != "auto" else max(1024, e))
 
     norm_kept = h if mem.tiled_norms else 2 * h  # output (+ the normalised input when not tiled)
-    attn_kept = 2 * a_q + 2 * a_kv + lse  # q, k, v, output, lse
-    attn_kept += a_q if p > 1 else 0  # the output again in the token layout
+    attn_kept = 2 * a_q + 2 * a_kv + lse  # q, k, v, output, lse (head layout)
+    token_out = a_q if p > 1 else 0  # the output again in the token layout (o_proj's input)
     mlp_kept = 0 if mem.tiled_mlp else 4 * mlp_act  # gate, up, activation, product
-    layer_kept = 2 * norm_kept + attn_kept + mlp_kept + 2 * h  # + the two residual sums
-    attn_backward = (
-        3 * a_q + 2 * a_kv + (2 * a_kv if r > 1 else 0)
-    )  # dout (+ copy), dq, dk, dv; travelling dK/dV
+    # kept per layer: two norms, attention, MLP, and the residual sum the second norm reads; the layer's
+    # output is the next layer's input (a re-run layer's output is freed before its backward)
+    layer_kept = 2 * norm_kept + attn_kept + token_out + mlp_kept + h
+    # R > 1: dout, the dq accumulator, one segment pair's dq / dk / dv parts, and the ring's receive
+    # buffers (the K/V block being computed on, the dK/dV accumulator that travelled with it).
+    # R = 1: dout (+ copy), dq, dk, dv.
+    ring_backward = 2 * a_q + (a_q // 2 + a_kv) + 4 * a_kv
+    attn_backward = ring_backward if r > 1 else 3 * a_q + 2 * a_kv
     # the MLP's backward: a tile's intermediates re-run (gate, up, activation, product) and one gradient,
     # or, untiled, two gradients of [n, I] next to the kept intermediates
     mlp_backward = 5 * B * tile * inter * b if mem.tiled_mlp else 2 * mlp_act
@@ -209,16 +213,21 @@ def memory_estimate(
         est.device["checkpoints (layer inputs)"] = on_device * h
         if mem.offload and layers > 1:
             est.host["checkpoints (layer inputs)"] = (layers - 1) * h
-        phases = {
-            "attention backward": 3 * h + norm_kept + attn_kept + attn_backward + rope,
-            "MLP backward": 3 * h + layer_kept + mlp_backward + rope,
+        phases = {  # 2h: the layer's output gradient and the one summed at its residual
+            "attention backward": 2 * h + norm_kept + attn_kept + attn_backward + rope,
+            "MLP backward": 2 * h + layer_kept + mlp_backward + rope,
             "loss": final_norm + h + logits,
         }
         est.phase = max(phases, key=phases.__getitem__)
         est.device[f"activations (one layer re-run, peak in {est.phase})"] = phases[est.phase]
     else:
-        est.device["activations (all layers)"] = layers * layer_kept + h  # + the embedding output
-        phases = {"backward start": final_norm + rope + 3 * h, "loss": final_norm + rope + logits}
+        est.device["activations (all layers)"] = layers * (layer_kept + h)  # + each layer's output
+        phases = {
+            "backward start": final_norm + rope + 3 * h,
+            # the last layer's attention backward: its MLP and second norm are freed by then
+            "attention backward": rope + 2 * h + attn_backward - token_out - mlp_kept - norm_kept,
+            "loss": final_norm + rope + logits,
+        }
         est.phase = max(phases, key=phases.__getitem__)
         est.device[f"activations (peak in {est.phase})"] = phases[est.phase]
     return est

@@ -28,7 +28,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.live: dict[int, tuple[int, str]] = {}
+        self.live: dict[int, tuple[int, str, Any]] = {}
         self.current = 0
         self.peak = 0
         self.at_peak: Counter[str] = Counter()
@@ -79,15 +79,29 @@ class LiveBytes(TorchDispatchMode):
             self.live[key] = (
                 nbytes,
                 self.label() + (f":{func.__name__}{tuple(t.shape)}" if self.detail else ""),
+                weakref.ref(storage),
             )
             self.current += nbytes
             weakref.finalize(storage, self._free, key)
             if self.current > self.peak:
+                self._settle()
+            if self.current > self.peak:
                 self.peak = self.current
                 self.at_peak = Counter()
-                for size, label in self.live.values():
+                for size, label, _ in self.live.values():
                     self.at_peak[label] += size
         return out
+
+    def _settle(self) -> None:
+        """Re-read the live storages' sizes: a storage resized in place (``resize_(0)`` frees the data of
+        a tensor whose graph is still needed, ``memory/checkpoint.py``) holds fewer bytes than it was
+        created with."""
+        for key, (nbytes, label, ref) in list(self.live.items()):
+            storage = ref()
+            now = nbytes if storage is None else storage.nbytes()
+            if now != nbytes:
+                self.live[key] = (now, label, ref)
+                self.current -= nbytes - now
 
     def __enter__(self) -> LiveBytes:
         self._handles = [

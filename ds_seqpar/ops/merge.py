@@ -61,6 +61,7 @@ def merge_attn_(
     out_blk: torch.Tensor,
     lse_blk: torch.Tensor,
     rows: RowIndex | None = None,
+    consume: bool = False,
 ) -> None:
     """In-place :func:`merge_attn` into ``out_acc``/``lse_acc``, optionally into a subset of rows.
 
@@ -69,12 +70,43 @@ def merge_attn_(
         out_blk, lse_blk: block result for the selected rows, ``[B, S', H, D]`` / ``[B, H, S']``.
         rows: which accumulator rows (sequence dim) the block covers: a ``slice`` or an index /
             bool tensor with S' entries (e.g. the second half of a zigzag shard); None = all rows.
+        consume: ``out_blk`` is scratch (a fresh kernel output): the merge may overwrite it.
+
+    With rows a slice (or None) no temporary of the output's size is made besides ``out_blk`` in the
+    accumulator's dtype (none with ``consume``): ``out_acc += w · (out_blk - out_acc)``, which is
+    :func:`merge_attn`'s ``out_acc - w · (out_acc - out_blk)`` to the bit.
     """
     if rows is None:
         rows = slice(None)
-    out_new, lse_new = merge_attn(out_acc[:, rows], lse_acc[:, :, rows], out_blk, lse_blk)
-    out_acc[:, rows] = out_new
-    lse_acc[:, :, rows] = lse_new
+    if not isinstance(rows, slice):  # advanced indexing copies: merge, then write the rows back
+        out_new, lse_new = merge_attn(out_acc[:, rows], lse_acc[:, :, rows], out_blk, lse_blk)
+        out_acc[:, rows] = out_new
+        lse_acc[:, :, rows] = lse_new
+        return
+    acc_o, acc_l = out_acc[:, rows], lse_acc[:, :, rows]
+    if acc_o.shape != out_blk.shape or acc_l.shape != lse_blk.shape:
+        raise ValueError(
+            f"merge_attn_ shapes differ: out {tuple(acc_o.shape)} vs {tuple(out_blk.shape)}, "
+            f"lse {tuple(acc_l.shape)} vs {tuple(lse_blk.shape)}; merge results for the same rows"
+        )
+    blk_l = lse_blk.to(acc_l.dtype)
+    acc_empty = acc_l == float("-inf")
+    blk_empty = blk_l == float("-inf")
+    acc_safe = acc_l.masked_fill(acc_empty, 0.0)
+    blk_safe = blk_l.masked_fill(blk_empty, 0.0)
+    take_blk = acc_empty & ~blk_empty  # [B, H, S]
+    lse_new = acc_safe - torch.nn.functional.logsigmoid(acc_safe - blk_safe)
+    lse_new = torch.where(take_blk, blk_l, torch.where(blk_empty, acc_l, lse_new))
+    weight = torch.sigmoid(blk_safe - acc_safe).masked_fill_(take_blk, 1.0).masked_fill_(blk_empty, 0.0)
+    weight = weight.to(acc_o.dtype).transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]
+    acc_o.masked_fill_(take_blk.transpose(1, 2).unsqueeze(-1), 0.0)  # empty rows: 0 + 1 · (blk - 0) = blk
+    if consume and out_blk.dtype == acc_o.dtype:
+        step = out_blk.sub_(acc_o)
+    else:
+        step = out_blk.to(acc_o.dtype) - acc_o
+    step.masked_fill_(blk_empty.transpose(1, 2).unsqueeze(-1), 0.0)  # an empty block adds nothing
+    acc_o.add_(step.mul_(weight))
+    acc_l.copy_(lse_new)
 
 
 # ----------------------------------------------------------------------------------------------

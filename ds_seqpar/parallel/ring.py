@@ -131,6 +131,25 @@ def _join_full(tasks: list[_BlockTask], along_keys: bool) -> list[_BlockTask]:
     return out
 
 
+def _split_full(tasks: list[Any], segments: list[tuple[int, int]]) -> list[Any]:
+    """FULL tasks spanning several segments cut into one task per (query segment, key segment) piece;
+    other tasks unchanged."""
+
+    def cuts(rows: slice) -> list[slice]:
+        pieces = [slice(max(a, rows.start), min(b, rows.stop)) for a, b in segments]
+        return [p for p in pieces if p.start < p.stop] or [rows]
+
+    out: list[Any] = []
+    for task in tasks:
+        if not isinstance(task, _BlockTask) or task.kind is not BlockKind.FULL or task.segment_pairs == 1:
+            out.append(task)
+            continue
+        out += [
+            _BlockTask(qr, kr, BlockKind.FULL, None) for qr in cuts(task.q_rows) for kr in cuts(task.k_rows)
+        ]
+    return out
+
+
 @dataclass(frozen=True)
 class _VarlenTask:
     """Adjacent tasks of one kind (FULL, or square CAUSAL: the documents of a packed row) run as ONE
@@ -606,7 +625,7 @@ class _Rows:
             return
         if self.out is None:
             self.out, self.lse = self.zeros()
-        merge_attn_(self.out, self.lse, out_blk, lse_blk, rows=rows)
+        merge_attn_(self.out, self.lse, out_blk, lse_blk, rows=rows, consume=True)
 
 
 class _PairWork:
@@ -643,6 +662,17 @@ class _PairWork:
 
         return _cached(plan, key, q.device, build)
 
+    def _backward_tasks(self, owner: int) -> list[_BlockTask | _VarlenTask]:
+        """The forward's calls with joined FULL rectangles cut back at segment boundaries: the backward
+        kernel's dq / dk / dv parts exist for one segment pair at a time, not for the whole rectangle
+        (the same work in more, smaller calls)."""
+        plan, q = self.plan, self.rows.q
+        tasks = self._tasks(owner)
+        if plan.schedule.size == 1:  # one step: the parts are the gradients, nothing is accumulated
+            return tasks
+        key = ("backward", self.seq_len, plan.schedule.ring_rank, owner, q.shape[0], self.varlen)
+        return _cached(plan, key, q.device, lambda: _split_full(tasks, plan.layout.segments(self.seq_len)))
+
     def forward(self, k_blk: torch.Tensor, v_blk: torch.Tensor, owner: int) -> None:
         plan, q, n = self.plan, self.rows.q, self.rows.q.shape[1]
         tasks = self._tasks(owner)
@@ -671,6 +701,7 @@ class _PairWork:
                     softcap=plan.softcap,
                 )
             self.rows.merge(task.q_rows, out_blk, lse_blk)
+            del out_blk, lse_blk  # not alive during the next kernel call
         if plan.work is not None:
             plan.work.forward_pairs += sum(task.pairs for task in tasks)
             covered = sum(task.segment_pairs for task in tasks)
@@ -678,12 +709,25 @@ class _PairWork:
             plan.work.skipped_blocks += len(plan.layout.segments(self.seq_len)) ** 2 - covered
 
     def backward(
-        self, k_blk: torch.Tensor, v_blk: torch.Tensor, owner: int
+        self,
+        k_blk: torch.Tensor,
+        v_blk: torch.Tensor,
+        owner: int,
+        into: Callable[[], tuple[torch.Tensor, ...] | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """dq into ``rows.dq``; returns (dk, dv) of the block.
+
+        ``into`` (the schedule's ``incoming``) gives the block's travelling dK/dV accumulator; the
+        step's parts are added into it, so the step has no accumulator of its own. It is asked for
+        before the first kernel call: waiting for it also completes the previous step's send, whose
+        dK/dV are then freed before this step's kernel outputs exist. The accumulator's transfer is
+        not hidden behind this step's compute (one dK/dV transfer per step, linear in n against the
+        quadratic block work); the next K/V block's transfer still is.
+        """
         plan, rows, q = self.plan, self.rows, self.rows.q
-        tasks = self._tasks(owner)
+        tasks = self._backward_tasks(owner)
         only = _only_call(plan, tasks, q.shape[1])
-        dk = dv = None
+        dk, dv = (into() if into is not None else None) or (None, None)
         for task in tasks:
             if isinstance(task, _VarlenTask):
                 run = _varlen_backward if self.varlen else _batched_backward
@@ -712,9 +756,10 @@ class _PairWork:
             rows.dq = _accumulate(rows.dq, dq_p, task.q_rows, q, rows.acc)
             dk = _accumulate(dk, dk_p, task.k_rows, k_blk, rows.acc)
             dv = _accumulate(dv, dv_p, task.k_rows, v_blk, rows.acc)
+            del dq_p, dk_p, dv_p  # not alive during the next kernel call
             if plan.work is not None:
                 plan.work.backward_pairs += task.pairs
-        if dk is None:  # no block of this step was computed
+        if dk is None:  # no block of this step was computed, and nothing arrived
             dk, dv = torch.zeros_like(k_blk, dtype=rows.acc), torch.zeros_like(v_blk, dtype=rows.acc)
         return dk, dv
 
@@ -837,9 +882,13 @@ class _SparsePairWork(_PairWork):
             plan.work.skipped_blocks += 0 if pairs else 1
 
     def backward(
-        self, k_blk: torch.Tensor, v_blk: torch.Tensor, owner: int
+        self,
+        k_blk: torch.Tensor,
+        v_blk: torch.Tensor,
+        owner: int,
+        into: Callable[[], tuple[torch.Tensor, ...] | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        plan, rows = self.plan, self.rows
+        plan, rows = self.plan, self.rows  # one kernel call: fresh dk, dv (the schedule adds them)
         q_pos, k_pos, kw = _sparse_pair(plan, self.seq_len, owner, rows.q.device)
         dq_p, dk, dv = self.kernel.backward(
             rows.dout,
@@ -854,7 +903,7 @@ class _SparsePairWork(_PairWork):
             scale=self.scale,
             **kw,
         )
-        rows.dq = dq_p if rows.dq is None else rows.dq + dq_p
+        rows.dq = dq_p if rows.dq is None else rows.dq.add_(dq_p)
         return dk, dv
 
 
@@ -899,9 +948,10 @@ class _RingAttention(torch.autograd.Function):
         steps = plan.schedule.backward((k, v))
         owner, (k_blk, v_blk) = next(steps)
         while True:
-            dk, dv = work.backward(k_blk, v_blk, owner)
-            try:
-                owner, (k_blk, v_blk) = steps.send((dk, dv))
+            grads = work.backward(k_blk, v_blk, owner, into=plan.schedule.incoming)
+            try:  # the schedule owns the step's dK/dV from here (sent on, freed once delivered)
+                owner, (k_blk, v_blk) = steps.send(grads)
+                del grads
             except StopIteration as done:
                 dk_local, dv_local = done.value
                 break

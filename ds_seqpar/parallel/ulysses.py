@@ -31,12 +31,25 @@ def gather_kv_heads(k: torch.Tensor, v: torch.Tensor, heads: HeadPlan) -> tuple[
 
 
 def scatter_heads(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: HeadPlan, mesh: SeqParMesh
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    heads: HeadPlan,
+    mesh: SeqParMesh,
+    separate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``[B, n, H|H_kv, D]`` -> ``[B, U·n, h_u|k_u, D]`` for q, k, v in one all-to-all (differentiable)."""
+    """``[B, n, H|H_kv, D]`` -> ``[B, U·n, h_u|k_u, D]`` for q, k, v (differentiable).
+
+    One all-to-all by default: q, k and v come out as views of one receive buffer. ``separate``: one
+    all-to-all per tensor (same bytes), so each comes out contiguous: K/V that then travel a ring are
+    sent as they are, with no contiguous copy of this rank's block at the first ring step.
+    """
     group, me, stats = mesh.group("ulysses"), mesh.coords.ulysses_rank, mesh.comm_stats
     k, v = gather_kv_heads(k, v, heads)
-    q2, k2, v2 = seq_to_head((q, k, v), (heads.q_counts, heads.kv_counts, heads.kv_counts), group, me, stats)
+    counts = (heads.q_counts, heads.kv_counts, heads.kv_counts)
+    if separate:
+        return tuple(seq_to_head((x,), (c,), group, me, stats)[0] for x, c in zip((q, k, v), counts))
+    q2, k2, v2 = seq_to_head((q, k, v), counts, group, me, stats)
     return q2, k2, v2
 
 

@@ -197,7 +197,7 @@ def attention(
             return ring_attention(q_g, k_g, v_g, plan, softmax_scale, sinks_g)[0]
 
         return pipelined_ulysses(q, k, v, heads, groups, mesh, attend, sinks)
-    q2, k2, v2 = scatter_heads(q, k, v, heads, mesh)
+    q2, k2, v2 = scatter_heads(q, k, v, heads, mesh, separate=mesh.ring_size > 1)
     out, _ = ring_attention(q2, k2, v2, plan, softmax_scale, local_sinks(sinks, heads, mesh))
     return gather_heads(out, heads, mesh)
 
