@@ -12,13 +12,14 @@ import itertools
 import pytest
 import torch
 
+import ds_seqpar.parallel.ring as ring_module
 from ds_seqpar import SeqParMesh
 from ds_seqpar.comm.p2p import RingComm, RingSchedule
 from ds_seqpar.layout import SeqLayout, doc_ids_from_cu_seqlens
 from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward
 from ds_seqpar.ops.masks import BlockKind, MaskSpec, token_mask
 from ds_seqpar.ops.reference import dense_attention_reference
-from ds_seqpar.parallel.ring import RingPlan, WorkCounter, build_schedule, ring_attention
+from ds_seqpar.parallel.ring import OutputDelta, RingPlan, WorkCounter, build_schedule, ring_attention
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 B, H, D = 2, 4, 8
@@ -74,10 +75,18 @@ def run_ring_cases(cases: list[dict]) -> list[dict]:
             case.get("kernel", "auto"),
             WorkCounter(),
         )
+        delta = OutputDelta() if case.get("delta") else None  # the backward then runs on rowsum(dout * out)
         with mesh.comm_stats.measure() as fwd_bytes:
-            out, lse = ring_attention(ql, kl, vl, plan)
-        with mesh.comm_stats.measure() as bwd_bytes:
-            out.backward(dl)
+            out, lse = ring_attention(ql, kl, vl, plan, delta=delta)
+        if delta is not None:
+            acc = torch.float64 if dtype == torch.float64 else torch.float32
+            delta.give((dl.to(acc) * out.detach().to(acc)).sum(-1))
+        tile_min, ring_module.BACKWARD_TILE_MIN = ring_module.BACKWARD_TILE_MIN, case.get("tile_min", 1024)
+        try:
+            with mesh.comm_stats.measure() as bwd_bytes:
+                out.backward(dl)
+        finally:
+            ring_module.BACKWARD_TILE_MIN = tile_min
         ref_out, ref_lse, ref_dq, ref_dk, ref_dv = (
             layout.shard(t, me, dim=1 if t.dim() == 4 else 2) for t in ref
         )
@@ -179,6 +188,21 @@ def _sweep(world: int) -> list[dict]:
             seed=8,
         )
     )
+    # the backward's FULL pieces as tiles of 2 rows a side (16 rows per rank), documents and windows too
+    for layout, causal in itertools.product(("contiguous", "zigzag", "stripe"), (True, False)):
+        cases.append(
+            dict(layout=layout, causal=causal, h_kv=2, dtype=torch.float64, seq_len=s, ring_inner=None,
+                 tile_min=2, delta=causal, seed=200 + len(cases))
+        )  # fmt: skip
+    cases.append(
+        dict(layout="zigzag", causal=True, window=7, h_kv=1, dtype=torch.float32, seq_len=s, ring_inner=None,
+             cu_seqlens=[0, 3, s // 2 + 1, s], tile_min=2, seed=9)
+    )  # fmt: skip
+    # the backward on rowsum(dout * out) instead of the output (OutputDelta): packed with padding, fp32
+    cases.append(
+        dict(layout="stripe", causal=False, h_kv=1, dtype=torch.float32, seq_len=s, ring_inner=None,
+             cu_seqlens=[0, 5, s - 3], delta=True, seed=10)
+    )  # fmt: skip
     return cases
 
 
@@ -200,6 +224,7 @@ def _double_ring_cases() -> list[dict]:
                 dtype=dtype,
                 seq_len=64,
                 ring_inner=inner,
+                delta=causal,
                 seed=len(cases),
             )
         )
@@ -283,11 +308,12 @@ def test_bytes_per_rank_equal_the_formula(dist_pool):
     for rank in range(8):
         s, d, g = results[rank]
         assert s["fwd"] == {"p2p": {"bytes": 2 * (r - 1) * blk, "messages": r - 1}}
-        assert s["bwd"] == {"p2p": {"bytes": 2 * (r - 1) * blk + 2 * r * blk, "messages": (r - 1) + r}}
-        # double ring 4 outer x 2 inner: R-1 K/V sends, R + R_out accumulator sends
+        # the inner ring moves dK and dV as one message each (RingComm.exchange_each)
+        assert s["bwd"] == {"p2p": {"bytes": 2 * (r - 1) * blk + 2 * r * blk, "messages": (r - 1) + 2 * r}}
+        # double ring 4 outer x 2 inner: R-1 K/V sends, R inner (two messages each) + R_out outer accumulator sends
         assert d["fwd"] == {"p2p": {"bytes": 2 * (r - 1) * blk, "messages": r - 1}}
         assert d["bwd"] == {
-            "p2p": {"bytes": 2 * (r - 1) * blk + 2 * (r + 4) * blk, "messages": (r - 1) + r + 4}
+            "p2p": {"bytes": 2 * (r - 1) * blk + 2 * (r + 4) * blk, "messages": (r - 1) + 2 * r + 4}
         }
         # all-gather: own shard to R-1 peers; backward re-gathers and reduce-scatters dK, dV
         assert g["fwd"] == {"all_gather": {"bytes": 2 * (r - 1) * blk, "messages": 1}}
@@ -482,20 +508,38 @@ def test_work_counter_counts_segment_blocks(dist_pool):
     assert dist_pool(2).run(zigzag_block_counts) == [(5, 3), (5, 3)]
 
 
-def test_backward_cuts_joined_full_rectangles_at_segment_boundaries():
-    """The ring backward runs a joined FULL rectangle as one call per segment pair (its dq / dk / dv
-    parts exist for one pair at a time); single-pair, causal and window tasks are left as they are."""
+def test_backward_cuts_full_rectangles_at_segments_and_into_tiles():
+    """The ring backward runs a FULL rectangle as one call per segment pair, and a large pair as up to
+    4 x 4 tiles of at least ``min_rows`` rows a side; a square CAUSAL block the same way on both axes
+    (causal tiles on the diagonal, full ones below, none above). Masked and small single tasks are
+    left as they are; the visible pairs are unchanged."""
     from ds_seqpar.ops.masks import BlockKind
     from ds_seqpar.parallel.ring import _BlockTask, _split_full
 
     segments = [(0, 8), (8, 16)]
     joined = _BlockTask(slice(0, 16), slice(0, 8), BlockKind.FULL, None, segment_pairs=2)
-    causal = _BlockTask(slice(0, 16), slice(0, 16), BlockKind.CAUSAL, None, segment_pairs=3)
-    tile = _BlockTask(slice(2, 6), slice(0, 16), BlockKind.FULL, None)
-    got = _split_full([joined, causal, tile], segments)
-    assert [(t.q_rows, t.k_rows) for t in got[:2]] == [
-        (slice(0, 8), slice(0, 8)),
-        (slice(8, 16), slice(0, 8)),
+    causal = _BlockTask(slice(0, 16), slice(16, 32), BlockKind.CAUSAL, None, segment_pairs=3)
+    small = _BlockTask(slice(2, 6), slice(0, 8), BlockKind.FULL, None)
+    masked = _BlockTask(
+        slice(0, 16), slice(0, 16), BlockKind.PARTIAL, torch.ones(1, 16, 16, dtype=torch.bool)
+    )
+    got = _split_full([joined, causal, small, masked], segments)
+    assert [(t.q_rows, t.k_rows, t.kind) for t in got[:5]] == [
+        (slice(0, 8), slice(0, 8), BlockKind.FULL),
+        (slice(8, 16), slice(0, 8), BlockKind.FULL),
+        (slice(0, 8), slice(16, 24), BlockKind.CAUSAL),  # keys keep their offset
+        (slice(8, 16), slice(16, 24), BlockKind.FULL),
+        (slice(8, 16), slice(24, 32), BlockKind.CAUSAL),
     ]
-    assert got[2] is causal and got[3] is tile and len(got) == 4
+    assert got[5] is small and got[6] is masked and len(got) == 7
     assert sum(t.pairs for t in got[:2]) == joined.pairs
+
+    tiled = _split_full([joined], segments, min_rows=2)  # 8-row segments: 4 x 4 tiles of 2 rows each
+    assert len(tiled) == 32 and {t.q_rows.stop - t.q_rows.start for t in tiled} == {2}
+    assert sum(t.pairs for t in tiled) == joined.pairs
+    assert len(_split_full([joined], segments, min_rows=3)) == 8  # 8 // 3 = 2 tiles a side per pair
+    causal_tiles = _split_full([causal], segments, min_rows=2)  # 8 x 8 tiles of 2: 8 diagonal, 28 below
+    assert [t.kind for t in causal_tiles].count(BlockKind.CAUSAL) == 8 and len(causal_tiles) == 36
+    assert sum(t.pairs for t in causal_tiles if t.kind is BlockKind.FULL) + 8 * 3 == 16 * 17 // 2
+    across = _BlockTask(slice(2, 6), slice(0, 16), BlockKind.FULL, None)  # one task over two key segments
+    assert [t.k_rows for t in _split_full([across], segments)] == [slice(0, 8), slice(8, 16)]

@@ -115,6 +115,11 @@ class RingComm:
         self._buffers.clear()
         self._flip.clear()
 
+    def drop(self, tag: int) -> None:
+        """Drop the receive buffers of ``tag`` only (nothing receives into them any more in this call)."""
+        self._buffers.pop(tag, None)
+        self._flip.pop(tag, None)
+
     def exchange(self, payload: Payload, tag: int = TAG_KV) -> PendingExchange:
         """Post ``payload`` to the next rank and a receive of the same shapes from the previous one.
 
@@ -131,6 +136,34 @@ class RingComm:
         if self.stats is not None:
             self.stats.record_tensors("p2p", *payload)
         return PendingExchange(requests, received)
+
+    def exchange_each(self, payload: list[torch.Tensor], tag: int) -> PendingExchange:
+        """``exchange`` one tensor at a time, emptying ``payload``: each receive is allocated just before
+        its transfer, and each sent tensor is dropped once delivered, so one tensor more than the payload
+        is alive, not a second payload. Blocking (the exchange is complete on return); the received
+        tensors are fresh, never reused by a later exchange.
+        """
+        if self.size == 1:
+            raise RuntimeError("a ring of one rank has nothing to exchange (gloo refuses send-to-self)")
+        received = []
+        while payload:
+            received.append(self._sendrecv(payload.pop(0), tag))  # the sent tensor is freed on return
+        return PendingExchange([], tuple(received))
+
+    def _sendrecv(self, sent: torch.Tensor, tag: int) -> torch.Tensor:
+        """Send ``sent`` to the next rank and receive one like it from the previous one; blocking. No
+        reference to ``sent`` outlives the call (requests and ops are locals)."""
+        sent = sent.contiguous()
+        got = torch.empty_like(sent)
+        ops = [
+            dist.P2POp(dist.isend, sent, self.next_rank, self.group, tag),
+            dist.P2POp(dist.irecv, got, self.prev_rank, self.group, tag),
+        ]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        if self.stats is not None:
+            self.stats.record_tensors("p2p", sent)
+        return got
 
 
 @dataclass
@@ -206,13 +239,17 @@ class RingSchedule:
             if t + 1 < r_out:
                 outer_cur = (outer_next or self.outer.exchange(outer_cur)).wait()
 
-    def backward(self, kv: Payload) -> Generator[Block, Payload, Payload]:
+    def backward(self, kv: Payload) -> Generator[Block, list[torch.Tensor], Payload]:
         """Yield every block again; ``send()`` back its gradients; return this rank's own block gradients.
 
         The gradient accumulator of a block travels with it around the inner ring and returns to
         the rank that brought it in from the outer ring, then travels the outer ring to its owner.
-        Gradients sent back must be fresh tensors (they are accumulated into in place), or the
-        tensors ``incoming()`` returned for this step, already holding the step's gradients.
+        Gradients are sent back as a list that the schedule empties (it owns them from there, so
+        the engine holds no reference while they travel); they must be fresh tensors (they are
+        accumulated into in place), or the tensors ``incoming()`` returned for this step, already
+        holding the step's gradients. The inner ring moves them one tensor at a time
+        (``RingComm.exchange_each``), and a block nothing computes on any more is dropped before
+        its accumulator moves on.
         """
         try:
             return (yield from self._backward(kv))
@@ -220,16 +257,20 @@ class RingSchedule:
             self._incoming = None
             self._release()
 
-    def _backward(self, kv: Payload) -> Generator[Block, Payload, Payload]:
+    def _backward(self, kv: Payload) -> Generator[Block, list[torch.Tensor], Payload]:
         r_in, r_out = self.inner_size, self.outer_size
-        outer_cur = kv
+        outer_cur: Payload | None = kv
         outer_acc: PendingExchange | None = None
-        acc: Payload = ()
+        acc: list[torch.Tensor] = []
         for t in range(r_out):
             outer_next = None
             if t + 1 < r_out and self.overlap:
                 outer_next = self.outer.exchange(outer_cur)
             cur = outer_cur
+            if t + 1 == r_out:  # the last outer block: the inner ring holds the only reference
+                outer_cur = None
+                if self.outer is not None:
+                    self.outer.drop(TAG_KV)
             inner_acc: PendingExchange | None = None
             for u in range(r_in):
                 inner_next = None
@@ -239,34 +280,41 @@ class RingSchedule:
                 grads = yield self.owner(t, u), cur
                 self._incoming = None
                 acc = _accumulate(inner_acc, grads)
-                del grads
+                inner_acc = None
                 if u + 1 < r_in:  # first the next block (its send copies go before dK/dV buffers come)
                     cur = (inner_next or self.inner.exchange(cur)).wait()
+                else:  # the loop's last block: nothing computes on it any more
+                    cur = None
+                    self.inner.drop(TAG_KV)
                 if r_in > 1:  # the accumulator follows its block; the last send returns it home
-                    inner_acc = self.inner.exchange(acc, TAG_GRAD)
-                    acc = ()  # the send holds it until the exchange completes, no longer
+                    inner_acc = self.inner.exchange_each(acc, TAG_GRAD)
             if inner_acc is not None:
-                acc = inner_acc.wait()
+                acc = list(inner_acc.wait())
+                inner_acc = None
             if r_out > 1:
-                # own the payload of the outer send: inner buffers are reused while it is in flight
-                acc = _accumulate(outer_acc, acc) if outer_acc is not None else tuple(a.clone() for a in acc)
-                outer_acc = self.outer.exchange(acc, TAG_GRAD)
+                # the inner ring's received tensors are fresh: the outer send may hold them as they are
+                acc = _accumulate(outer_acc, acc) if outer_acc is not None else acc
+                outer_acc = self.outer.exchange(tuple(acc), TAG_GRAD)
+                acc = []
             if t + 1 < r_out:
                 outer_cur = (outer_next or self.outer.exchange(outer_cur)).wait()
         if outer_acc is not None:
-            acc = outer_acc.wait()
-        return acc  # receive buffers are released after this call: the caller owns them
+            acc = list(outer_acc.wait())
+        return tuple(acc)  # receive buffers are released after this call: the caller owns them
 
 
-def _accumulate(pending: PendingExchange | None, grads: Payload) -> Payload:
-    """``received + grads`` (in place into the receive buffers), or ``grads`` when nothing is pending."""
+def _accumulate(pending: PendingExchange | None, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``received + grads`` (in place into the received tensors), or ``grads`` when nothing is pending;
+    ``grads`` is emptied (the result holds what is still needed)."""
     if pending is None:
-        return grads
-    received = pending.wait()
-    for r, g in zip(received, grads):
-        if r is not g:  # ``g is r``: the step added into the arrived accumulator (``incoming()``)
-            r.add_(g)
-    return received
+        out = list(grads)
+    else:
+        out = list(pending.wait())
+        for r, g in zip(out, grads, strict=True):
+            if r is not g:  # ``g is r``: the step added into the arrived accumulator (``incoming()``)
+                r.add_(g)
+    grads.clear()
+    return out
 
 
 class AllGatherSchedule:
@@ -318,7 +366,7 @@ class AllGatherSchedule:
         """No accumulator travels: gradients are summed here and reduce-scattered at the end."""
         return None
 
-    def backward(self, kv: Payload) -> Generator[Block, Payload, Payload]:
+    def backward(self, kv: Payload) -> Generator[Block, list[torch.Tensor], Payload]:
         blocks = self._gather(kv)
         sums: torch.Tensor | None = None  # [R, T, ...]: gradients for every owner's payload
         for j in self._order():
@@ -326,6 +374,7 @@ class AllGatherSchedule:
             if sums is None:
                 sums = grads[0].new_zeros((self.size, len(grads), *grads[0].shape))
             sums[j] += torch.stack(grads)
+            grads.clear()
         assert sums is not None
         if self.size == 1:
             return tuple(sums[0])

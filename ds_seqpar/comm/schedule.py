@@ -6,8 +6,8 @@ iterates it and never calls a collective itself:
     forward(kv)   yields ``(owner, kv_block)``: the ring rank whose K/V block this rank holds at each
                   step, and that block (this rank's own block first)
     backward(kv)  a generator: yields ``(owner, kv_block)`` like ``forward``, receives via ``send`` the
-                  gradients this rank computed for that block, and returns this rank's own K/V gradients
-                  once every contribution has arrived
+                  gradients this rank computed for that block (a list it empties: it owns them from there),
+                  and returns this rank's own K/V gradients once every contribution has arrived
     incoming()    during a backward step: the gradient accumulator that arrived with the current block
                   (the step may add into it in place and send it back), or None
 
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, Protocol
+
+import torch
 
 from ds_seqpar.comm.p2p import AllGatherSchedule, Block, Payload, RingComm, RingSchedule
 
@@ -35,7 +37,7 @@ class Schedule(Protocol):
 
     def forward(self, kv: Payload) -> Iterator[Block]: ...
 
-    def backward(self, kv: Payload) -> Generator[Block, Payload, Payload]: ...
+    def backward(self, kv: Payload) -> Generator[Block, list[torch.Tensor], Payload]: ...
 
     def incoming(self) -> Payload | None: ...
 

@@ -176,16 +176,18 @@ def memory_estimate(
     tile = min(n, mem.mlp_tile_tokens if mem.mlp_tile_tokens != "auto" else max(1024, e))
 
     norm_kept = h if mem.tiled_norms else 2 * h  # output (+ the normalised input when not tiled)
-    attn_kept = 2 * a_q + 2 * a_kv + lse  # q, k, v, output, lse (head layout)
+    # q, k, v, lse (head layout), and the output, except with R > 1: the ring's backward then runs on
+    # rowsum(dout · out), and the output is kept in the token layout only (parallel/usp.py)
+    attn_kept = a_q + 2 * a_kv + lse + (a_q if r == 1 else 0)
     token_out = a_q if p > 1 else 0  # the output again in the token layout (o_proj's input)
     mlp_kept = 0 if mem.tiled_mlp else 4 * mlp_act  # gate, up, activation, product
     # kept per layer: two norms, attention, MLP, and the residual sum the second norm reads; the layer's
     # output is the next layer's input (a re-run layer's output is freed before its backward)
     layer_kept = 2 * norm_kept + attn_kept + token_out + mlp_kept + h
-    # R > 1: dout, the dq accumulator, one segment pair's dq / dk / dv parts, and the ring's receive
-    # buffers (the K/V block being computed on, the dK/dV accumulator that travelled with it).
+    # R > 1: dout, the dq and dK/dV accumulators, the K/V block received, and one dK (or dV) arriving
+    # while the accumulators move on (the backward's tiles are 1/16 of a segment pair: left out).
     # R = 1: dout (+ copy), dq, dk, dv.
-    ring_backward = 2 * a_q + (a_q // 2 + a_kv) + 4 * a_kv
+    ring_backward = 2 * a_q + 5 * a_kv
     attn_backward = ring_backward if r > 1 else 3 * a_q + 2 * a_kv
     # the MLP's backward: a tile's intermediates re-run (gate, up, activation, product) and one gradient,
     # or, untiled, two gradients of [n, I] next to the kept intermediates

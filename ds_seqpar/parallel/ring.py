@@ -24,6 +24,7 @@ H_kv heads. Communication lives entirely in the schedule; this module never call
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -131,22 +132,55 @@ def _join_full(tasks: list[_BlockTask], along_keys: bool) -> list[_BlockTask]:
     return out
 
 
-def _split_full(tasks: list[Any], segments: list[tuple[int, int]]) -> list[Any]:
-    """FULL tasks spanning several segments cut into one task per (query segment, key segment) piece;
-    other tasks unchanged."""
+BACKWARD_TILES = 4  # a FULL (query segment, key segment) piece runs as up to 4 x 4 tiles in backward
+BACKWARD_TILE_MIN = 1024  # rows per tile side, at least (small blocks stay one call)
+
+
+def _tiles(rows: slice, min_rows: int) -> list[slice]:
+    """``rows`` cut into up to ``BACKWARD_TILES`` nearly equal runs of at least ``min_rows`` rows."""
+    length = rows.stop - rows.start
+    count = max(1, min(BACKWARD_TILES, length // min_rows))
+    bounds = [rows.start + (length * i) // count for i in range(count + 1)]
+    return [slice(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def _split_full(
+    tasks: list[Any], segments: list[tuple[int, int]], min_rows: int = BACKWARD_TILE_MIN
+) -> list[Any]:
+    """The backward's calls: FULL tasks cut at segment boundaries, then each piece into tiles
+    (``_tiles``) along queries and keys; square CAUSAL tasks cut the same way on both axes, into
+    CAUSAL diagonal tiles and FULL tiles below them (the tiles above see nothing). The backward
+    kernel's dq / dk / dv parts then exist for one tile at a time (1/16 of a segment pair's), and so
+    does the output a call takes (``_Rows.final_out``). Other tasks unchanged; the same pairs."""
 
     def cuts(rows: slice) -> list[slice]:
         pieces = [slice(max(a, rows.start), min(b, rows.stop)) for a, b in segments]
-        return [p for p in pieces if p.start < p.stop] or [rows]
+        return [
+            tile for p in ([p for p in pieces if p.start < p.stop] or [rows]) for tile in _tiles(p, min_rows)
+        ]
+
+    def shifted(rows: slice, by: int) -> slice:
+        return slice(rows.start + by, rows.stop + by)
 
     out: list[Any] = []
     for task in tasks:
-        if not isinstance(task, _BlockTask) or task.kind is not BlockKind.FULL or task.segment_pairs == 1:
-            out.append(task)
-            continue
-        out += [
-            _BlockTask(qr, kr, BlockKind.FULL, None) for qr in cuts(task.q_rows) for kr in cuts(task.k_rows)
-        ]
+        square = isinstance(task, _BlockTask) and task.mask is None and task.band is None
+        if square and task.kind is BlockKind.FULL:
+            pieces = [
+                _BlockTask(qr, kr, BlockKind.FULL, None)
+                for qr in cuts(task.q_rows)
+                for kr in cuts(task.k_rows)
+            ]
+        elif square and task.kind is BlockKind.CAUSAL:
+            rows, by = cuts(task.q_rows), task.k_rows.start - task.q_rows.start
+            pieces = [
+                _BlockTask(qr, shifted(kr, by), BlockKind.CAUSAL if a == b else BlockKind.FULL, None)
+                for a, qr in enumerate(rows)
+                for b, kr in enumerate(rows[: a + 1])
+            ]
+        else:
+            pieces = [task]
+        out += [task] if len(pieces) == 1 else pieces
     return out
 
 
@@ -601,8 +635,8 @@ class _Rows:
     """What one ring attention call accumulates for this rank's query rows.
 
     Forward: ``out [B, n, H, D]`` / ``lse [B, H, n]`` (the first block covering every row becomes the
-    accumulator; no zero-filled buffer). Backward: ``dq``, with ``dout``, ``out``, ``lse`` the final
-    results of the rows.
+    accumulator; no zero-filled buffer). Backward: ``dq``, with ``dout``, ``lse`` and either ``out``
+    (the final output of the rows) or ``delta`` ``[B, n, H]`` = rowsum(dout · out) (``OutputDelta``).
     """
 
     q: torch.Tensor
@@ -611,6 +645,22 @@ class _Rows:
     lse: torch.Tensor | None = None
     dout: torch.Tensor | None = None
     dq: torch.Tensor | None = None
+    delta: torch.Tensor | None = None
+
+    def final_out(self, rows: slice) -> torch.Tensor:
+        """What a backward kernel call takes as the final output of ``rows``: ``out`` itself, or, with
+        ``delta`` instead, the projection of out onto dout, ``dout · Δ / |dout|²``. A kernel reads out
+        only through Δ = rowsum(dout · out), and the projection has the same Δ (exact up to rounding;
+        a row whose |dout|² underflows gets 0, which its gradient is then within rounding of). One
+        ``[B, len(rows), H, D]`` temporary in the acc dtype, for the call only."""
+        if self.out is not None:
+            return self.out[:, rows]
+        dout = self.dout[:, rows]
+        copied = dout.dtype != self.acc  # then the cast below is a fresh tensor, scaled in place
+        dout = dout.to(self.acc)
+        norm = dout.square().sum(-1, keepdim=True)
+        scale = torch.where(norm > 0, self.delta[:, rows, :, None] / norm, torch.zeros_like(norm))
+        return dout.mul_(scale) if copied else dout * scale
 
     def zeros(self) -> tuple[torch.Tensor, torch.Tensor]:
         b, n, h, d = self.q.shape
@@ -663,15 +713,17 @@ class _PairWork:
         return _cached(plan, key, q.device, build)
 
     def _backward_tasks(self, owner: int) -> list[_BlockTask | _VarlenTask]:
-        """The forward's calls with joined FULL rectangles cut back at segment boundaries: the backward
-        kernel's dq / dk / dv parts exist for one segment pair at a time, not for the whole rectangle
-        (the same work in more, smaller calls)."""
+        """The forward's calls with FULL rectangles cut at segment boundaries and into tiles
+        (``_split_full``): the backward kernel's dq / dk / dv parts exist for one tile at a time, not for
+        the whole rectangle."""
         plan, q = self.plan, self.rows.q
         tasks = self._tasks(owner)
         if plan.schedule.size == 1:  # one step: the parts are the gradients, nothing is accumulated
             return tasks
-        key = ("backward", self.seq_len, plan.schedule.ring_rank, owner, q.shape[0], self.varlen)
-        return _cached(plan, key, q.device, lambda: _split_full(tasks, plan.layout.segments(self.seq_len)))
+        tile = BACKWARD_TILE_MIN
+        key = ("backward", self.seq_len, plan.schedule.ring_rank, owner, q.shape[0], self.varlen, tile)
+        segments = plan.layout.segments(self.seq_len)
+        return _cached(plan, key, q.device, lambda: _split_full(tasks, segments, tile))
 
     def forward(self, k_blk: torch.Tensor, v_blk: torch.Tensor, owner: int) -> None:
         plan, q, n = self.plan, self.rows.q, self.rows.q.shape[1]
@@ -735,7 +787,7 @@ class _PairWork:
             elif task.band is not None and self.banded:  # band rows always see a key: lse finite
                 dq_p, dk_p, dv_p = self.kernel.band.backward(
                     rows.dout[:, task.q_rows], q[:, task.q_rows], k_blk[:, task.k_rows], v_blk[:, task.k_rows],
-                    rows.out[:, task.q_rows], rows.lse[:, :, task.q_rows], self.scale, task.band, plan.softcap,
+                    rows.final_out(task.q_rows), rows.lse[:, :, task.q_rows], self.scale, task.band, plan.softcap,
                 )  # fmt: skip
             else:
                 dq_p, dk_p, dv_p = block_attn_backward(
@@ -743,7 +795,7 @@ class _PairWork:
                     q[:, task.q_rows],
                     k_blk[:, task.k_rows],
                     v_blk[:, task.k_rows],
-                    rows.out[:, task.q_rows],
+                    rows.final_out(task.q_rows),
                     rows.lse[:, :, task.q_rows],
                     scale=self.scale,
                     mask=task.mask,
@@ -803,7 +855,8 @@ def _varlen_backward(
     lse = rows.lse[:, :, task.q_rows].transpose(0, 1).reshape(h, -1)  # [H, B·Lq]
     dq, dk, dv = kernel.varlen.backward(
         dout.reshape(-1, h, q.shape[3]), _packed(q, task.q_rows), _packed(k, task.k_rows),
-        _packed(v, task.k_rows), _packed(rows.out, task.q_rows), lse, task.cu_q, task.cu_k, task.max_q,
+        _packed(v, task.k_rows), rows.final_out(task.q_rows).reshape(-1, h, q.shape[3]), lse, task.cu_q, task.cu_k,
+        task.max_q,
         task.max_k, scale, task.causal, softcap,
     )  # fmt: skip
     return dq.view(b, -1, *dq.shape[1:]), dk.view(b, -1, *dk.shape[1:]), dv.view(b, -1, *dv.shape[1:])
@@ -848,7 +901,8 @@ def _batched_backward(
     dq, dk, dv = block_attn_backward(
         _as_batch(rows.dout, task.q_rows, length), _as_batch(q, task.q_rows, length),
         _as_batch(k, task.k_rows, length), _as_batch(v, task.k_rows, length),
-        _as_batch(rows.out, task.q_rows, length), lse, scale=scale, causal=task.causal, kernel=kernel,
+        rows.final_out(task.q_rows).reshape(-1, length, h, q.shape[3]), lse, scale=scale, causal=task.causal,
+        kernel=kernel,
         softcap=softcap, inert=True,
     )  # fmt: skip
     return dq.view(b, -1, *dq.shape[2:]), dk.view(b, -1, *dk.shape[2:]), dv.view(b, -1, *dv.shape[2:])
@@ -895,7 +949,7 @@ class _SparsePairWork(_PairWork):
             rows.q,
             k_blk,
             v_blk,
-            rows.out,
+            rows.final_out(slice(None)),
             rows.lse,
             q_pos,
             k_pos,
@@ -912,6 +966,31 @@ def _pair_work(plan: RingPlan, seq_len: int, scale: float, rows: _Rows, merged: 
     return cls(plan, seq_len, scale, rows, merged)
 
 
+class OutputDelta:
+    """Δ = rowsum(dout · out) ``[B, n, H]`` of a ring call's query rows, handed to its backward by the
+    code that keeps the call's output (``parallel/usp.py``: the output in the token layout, which the
+    output projection saves anyway). A call given one saves no output of its own: its backward runs
+    on Δ (``_Rows.final_out``). ``give`` must come before that backward starts; ``take`` once.
+    """
+
+    def __init__(self) -> None:
+        self._delta: torch.Tensor | None = None
+
+    def give(self, delta: torch.Tensor) -> None:
+        self._delta = delta
+
+    def take(self, q: torch.Tensor) -> torch.Tensor:
+        delta, self._delta = self._delta, None
+        want = (q.shape[0], q.shape[1], q.shape[2])
+        if delta is None or tuple(delta.shape) != want:
+            got = None if delta is None else tuple(delta.shape)
+            raise RuntimeError(
+                f"ring attention backward needs the output's rowsum(dout * out) of shape {want}, got {got}: "
+                "the call's output must reach the loss through the code that gave the OutputDelta"
+            )
+        return delta
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -922,6 +1001,7 @@ class _RingAttention(torch.autograd.Function):
         sinks: torch.Tensor | None,
         plan: RingPlan,
         scale: float,
+        delta: OutputDelta | None,
     ):
         seq_len = _check_inputs(q, k, v, plan, sinks)
         rows = _Rows(q, torch.float64 if q.dtype == torch.float64 else torch.float32)
@@ -931,8 +1011,8 @@ class _RingAttention(torch.autograd.Function):
         out, lse = (rows.out, rows.lse) if rows.out is not None else rows.zeros()  # all EMPTY: padding only
         if sinks is not None:  # the backward then sees the FINAL (out, lse), sink included
             out, lse = apply_sink(out, lse, sinks)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.plan, ctx.scale, ctx.seq_len = plan, scale, seq_len
+        ctx.save_for_backward(q, k, v, out if delta is None else None, lse, sinks)
+        ctx.plan, ctx.scale, ctx.seq_len, ctx.delta = plan, scale, seq_len, delta
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
 
@@ -941,17 +1021,18 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         plan: RingPlan = ctx.plan
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        rows = _Rows(q, acc, out=out, lse=lse, dout=dout)
+        delta = None if ctx.delta is None else ctx.delta.take(q)
+        rows = _Rows(q, acc, out=out, lse=lse, dout=dout, delta=delta)
         if _has_padding(plan, q.device):  # padding rows saw no key: inert once here, not per block
             rows.dout, rows.lse = inert_empty_rows(dout, lse)
         work = _pair_work(plan, ctx.seq_len, ctx.scale, rows, merged=sinks is not None)
         steps = plan.schedule.backward((k, v))
-        owner, (k_blk, v_blk) = next(steps)
+        owner, block = next(steps)
         while True:
-            grads = work.backward(k_blk, v_blk, owner, into=plan.schedule.incoming)
-            try:  # the schedule owns the step's dK/dV from here (sent on, freed once delivered)
-                owner, (k_blk, v_blk) = steps.send(grads)
-                del grads
+            grads = list(work.backward(*block, owner, into=plan.schedule.incoming))
+            del block  # the schedule keeps the block while it still needs it
+            try:  # the schedule owns (and empties) the step's dK/dV from here: sent on, freed once delivered
+                owner, block = steps.send(grads)
             except StopIteration as done:
                 dk_local, dv_local = done.value
                 break
@@ -959,7 +1040,7 @@ class _RingAttention(torch.autograd.Function):
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             dsinks = sink_grad(dout, out, lse, sinks).to(sinks.dtype)
-        return dq.to(q.dtype), dk_local.to(k.dtype), dv_local.to(v.dtype), dsinks, None, None
+        return dq.to(q.dtype), dk_local.to(k.dtype), dv_local.to(v.dtype), dsinks, None, None, None
 
 
 def ring_attention(
@@ -969,6 +1050,7 @@ def ring_attention(
     plan: RingPlan,
     softmax_scale: float | None = None,
     sinks: torch.Tensor | None = None,
+    delta: OutputDelta | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of this rank's queries over the keys of every rank in the ring.
 
@@ -977,10 +1059,17 @@ def ring_attention(
         plan: schedule, layout, mask spec, document ids, kernel, softcap, work counter.
         softmax_scale: default ``D ** -0.5``.
         sinks: None, or ``[H]`` attention-sink logits of these query heads (``ops/merge.apply_sink``).
+        delta: None (the call saves its output for backward), or an ``OutputDelta`` that the caller
+            fills with rowsum(dout · out) before this call's backward runs; the output is then not
+            saved. Not with ``sinks`` (their gradient reads the output).
 
     Returns:
         ``(out [B, n, H, D] in q.dtype, lse [B, H, n])`` (lse includes the sinks); differentiable in
         q, k, v and sinks.
     """
+    if delta is not None and sinks is not None:
+        raise ValueError(
+            "ring_attention: delta= cannot be used with sinks (the sink gradient needs the output)"
+        )
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    return _RingAttention.apply(q, k, v, sinks, plan, scale)
+    return _RingAttention.apply(q, k, v, sinks, plan, scale, delta)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_seqpar.comm.all_to_all import HeadPlan
+from ds_seqpar.comm.all_to_all import HeadPlan, seq_to_head
 from ds_seqpar.layout import UspLayout, input_layout
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.attention import check_softcap, resolve_kernel
@@ -25,6 +25,7 @@ from ds_seqpar.ops.masks import MaskSpec
 from ds_seqpar.ops.sparse_kernels import resolve_sparse_kernel
 from ds_seqpar.parallel.activation import sparse_layer_active
 from ds_seqpar.parallel.ring import (
+    OutputDelta,
     RingPlan,
     WorkCounter,
     build_schedule,
@@ -198,8 +199,47 @@ def attention(
 
         return pipelined_ulysses(q, k, v, heads, groups, mesh, attend, sinks)
     q2, k2, v2 = scatter_heads(q, k, v, heads, mesh, separate=mesh.ring_size > 1)
-    out, _ = ring_attention(q2, k2, v2, plan, softmax_scale, local_sinks(sinks, heads, mesh))
-    return gather_heads(out, heads, mesh)
+    if sinks is not None or mesh.ulysses_size * mesh.ring_size == 1:  # one rank: nothing is kept twice
+        out, _ = ring_attention(q2, k2, v2, plan, softmax_scale, local_sinks(sinks, heads, mesh))
+        return gather_heads(out, heads, mesh)
+    delta = OutputDelta()
+    out, _ = ring_attention(q2, k2, v2, plan, softmax_scale, delta=delta)
+    return _OutputDeltaTap.apply(gather_heads(out, heads, mesh), delta, heads, mesh)
+
+
+DELTA_CHUNK_TOKENS = 8192  # tokens per chunk of the rowsum(dout * out) in the output's backward
+
+
+class _OutputDeltaTap(torch.autograd.Function):
+    """Identity on the attention output ``[B, n, H, D]`` (token layout). Backward: Δ = rowsum(dout · out)
+    per token and head, moved to the ring's head layout ``[B, U·n, h_u]`` (one all-to-all of B·n·H
+    elements, 1/D of the output's) and given to the ring call's ``OutputDelta``.
+
+    The ring then keeps no head-layout copy of the output between forward and backward (the output
+    projection saves this token-layout one anyway), and its backward holds no output at all.
+    """
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, delta: OutputDelta, heads: HeadPlan, mesh: SeqParMesh):
+        ctx.save_for_backward(out)
+        ctx.delta, ctx.heads, ctx.mesh = delta, heads, mesh
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        (out,) = ctx.saved_tensors
+        acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+        rowdot = torch.empty(out.shape[:-1], dtype=acc, device=out.device)  # [B, n, H]
+        for s in range(0, out.shape[1], DELTA_CHUNK_TOKENS):
+            part = slice(s, s + DELTA_CHUNK_TOKENS)
+            rowdot[:, part] = (dout[:, part].to(acc) * out[:, part].to(acc)).sum(-1)
+        mesh, heads = ctx.mesh, ctx.heads
+        if mesh.ulysses_size > 1:
+            group, me = mesh.group("ulysses"), mesh.coords.ulysses_rank
+            (moved,) = seq_to_head((rowdot.unsqueeze(-1),), (heads.q_counts,), group, me, mesh.comm_stats)
+            rowdot = moved.squeeze(-1)
+        ctx.delta.give(rowdot)
+        return dout, None, None, None
 
 
 def _head_groups(mesh: SeqParMesh, heads: HeadPlan) -> HeadGroups | None:
