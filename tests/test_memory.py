@@ -318,10 +318,26 @@ def test_live_bytes_follows_storages_resized_in_place():
 
 def test_ring_receive_buffers_live_only_during_a_call(dist_pool):
     """R = 2: after forward and backward no receive buffer stays pooled in the schedule (every byte
-    of the ring is inside the step, where memory is measured), and dK/dV are exact."""
+    of the ring is inside the step, where memory is measured), the ring call keeps no output for its
+    backward (it runs on rowsum(dout * out) from the token-layout output), and dK/dV are exact."""
     for rep in dist_pool(2).run(_ring_buffers_case):
         assert rep["pooled_after"] == 0, rep
+        assert rep["ring_saved"] == [True, True, True, False, True, False], rep
         assert rep["max_err"] <= 1e-12, rep
+
+
+def _graph_node(root, name: str):
+    """The first autograd node named ``name`` reachable from ``root``."""
+    seen, todo = set(), [root]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if name in node.name():
+            return node
+        todo += [n for n, _ in node.next_functions]
+    raise AssertionError(f"no {name} node in the graph")
 
 
 def _ring_buffers_case() -> dict:
@@ -339,7 +355,10 @@ def _ring_buffers_case() -> dict:
     idx = input_layout(mesh).local_positions(s, mesh.coords.sp_rank)
     leaves = [t[:, idx].clone().requires_grad_() for t in (q, k, v)]
     out = ds_seqpar.attention(*leaves, mesh=mesh)
-    out.backward(torch.ones_like(out))
+    # saved: q, k, v, the output (none: the backward runs on rowsum(dout * out)), lse, sinks (none)
+    ring_saved = [t is not None for t in _graph_node(out.grad_fn, "_RingAttention").saved_tensors]
+    dout = torch.randn(q.shape, generator=g, dtype=q.dtype)
+    out.backward(dout[:, idx])
     pooled = sum(
         sum(t.numel() for s_ in sets if s_ is not None for t in s_)
         for r in mesh.resources.values()
@@ -350,6 +369,6 @@ def _ring_buffers_case() -> dict:
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     mask = torch.ones(s, s, dtype=torch.bool).tril()
     ref_out, _ = dense_attention_reference(*ref, mask)
-    ref_out.backward(torch.ones_like(ref_out))
+    ref_out.backward(dout)
     err = max((a.grad - b.grad[:, idx]).abs().max().item() for a, b in zip(leaves, ref))
-    return {"pooled_after": pooled, "max_err": err}
+    return {"pooled_after": pooled, "ring_saved": ring_saved, "max_err": err}
