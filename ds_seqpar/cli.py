@@ -107,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="context extension, TYPE:FACTOR with TYPE in linear, dynamic, yarn (e.g. linear:4)",
     )
     p.add_argument(
+        "--sp-size",
+        type=int,
+        default=None,
+        help="SP degree P, overriding sequence_parallel.size: the ranks that split one sequence (the world "
+        "size must be a multiple; the rest is data parallel)",
+    )
+    p.add_argument(
         "--memory",
         default=None,
         help="memory savings, overriding sequence_parallel.memory: 'all' (checkpointing + offload + tiled MLP "
@@ -153,8 +160,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and check every flag and the config, before any process group exists."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("seq_len", "max_steps"):
-        if getattr(args, name) < 1:
+    for name in ("seq_len", "max_steps", "sp_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.max_seq_len_search is not None and not args.max_seq_len_search > 0:
         parser.error(f"--max-seq-len-search={args.max_seq_len_search:g} must be a budget > 0 MiB per rank")
@@ -192,6 +199,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if path is not None and not os.path.exists(path):
             parser.error(f"--{name} {path!r} does not exist")
     section, ds_config = load_config(args.ds_config)
+    if args.sp_size is not None:
+        section = _with_size(section, args.sp_size, parser)
+        if "sequence_parallel_size" in ds_config:  # DeepSpeed's own key follows the override
+            ds_config["sequence_parallel_size"] = args.sp_size
     if args.memory is not None:
         section = _with_memory(section, args.memory, parser)
     if not section.enabled:
@@ -203,6 +214,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 MEMORY_SAVINGS = ("activation_checkpointing", "offload", "tiled_mlp", "tiled_norms")
+
+
+def _with_size(section: Any, size: int, parser: argparse.ArgumentParser) -> Any:
+    """``section`` with ``sequence_parallel.size`` set from ``--sp-size`` (validated like the JSON)."""
+    try:
+        return parse_section({**section.model_dump(exclude_unset=True), "size": size})
+    except SeqParConfigError as exc:
+        parser.error(f"--sp-size={size}: {exc}")
 
 
 def _with_memory(section: Any, choice: str, parser: argparse.ArgumentParser) -> Any:

@@ -39,6 +39,11 @@ def test_help_documents_every_flag():
         (["--seq-len", "100"], "the embedded passkey task needs sequences of at least 137 tokens"),
         (["--memory", "checkpoint"], "--memory='checkpoint': unknown saving(s) ['checkpoint']"),
         (["--max-seq-len-search", "0"], "--max-seq-len-search=0 must be a budget > 0 MiB per rank"),
+        (["--sp-size", "0"], "--sp-size=0 must be >= 1"),
+        (
+            ["--sp-size", "3", "--ds_config", str(DEFAULT_CONFIG.parent / "double_ring_zero3.json")],
+            "--sp-size=3: sequence_parallel.ring.inner_size=2 does not divide the ring degree R=3",
+        ),
         (
             ["--memory", "offload"],
             "--memory='offload': sequence_parallel.memory.offload=true offloads the inputs",
@@ -69,6 +74,19 @@ def test_bad_config_fails_before_any_process_group(tmp_path, monkeypatch):
     path.write_text(json.dumps(config))
     with pytest.raises(SeqParConfigError, match=r"ulysses_degree=8 does not divide size=4"):
         main(["--ds_config", str(path)])
+    assert not dist.is_initialized()
+
+
+def test_sp_size_flag_overrides_the_config(monkeypatch):
+    """The shipped config says size 4: on 2 ranks it fails by name, and ``--sp-size 2`` runs it unedited."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(
+        SeqParConfigError, match=r"sequence_parallel\.size=4 does not divide the world size 2"
+    ):
+        parse_args([])
+    args = parse_args(["--sp-size", "2"])
+    assert args.section.size == 2 and args.ds_config_dict["sequence_parallel_size"] == 2  # DeepSpeed's key too
+    assert parse_args(["--sp-size", "1"]).section.size == 1  # 2 data-parallel replicas of one rank each
     assert not dist.is_initialized()
 
 
