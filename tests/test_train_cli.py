@@ -85,7 +85,9 @@ def test_sp_size_flag_overrides_the_config(monkeypatch):
     ):
         parse_args([])
     args = parse_args(["--sp-size", "2"])
-    assert args.section.size == 2 and args.ds_config_dict["sequence_parallel_size"] == 2  # DeepSpeed's key too
+    assert (
+        args.section.size == 2 and args.ds_config_dict["sequence_parallel_size"] == 2
+    )  # DeepSpeed's key too
     assert parse_args(["--sp-size", "1"]).section.size == 1  # 2 data-parallel replicas of one rank each
     assert not dist.is_initialized()
 
