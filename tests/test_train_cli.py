@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,6 +94,24 @@ def test_sp_size_flag_overrides_the_config(monkeypatch):
     )  # DeepSpeed's key too
     assert parse_args(["--sp-size", "1"]).section.size == 1  # 2 data-parallel replicas of one rank each
     assert not dist.is_initialized()
+
+
+def test_deepspeed_launcher_runs_a_shipped_config_on_cpu(tmp_path):
+    """docs/train.md: DeepSpeed's launcher on CPU (``--num_gpus N`` starts N processes) with the shipped
+    size-4 config on 2 ranks through ``--sp-size 2``, unedited."""
+    launcher = Path(sys.executable).with_name("deepspeed")
+    root = DEFAULT_CONFIG.parent.parent
+    cmd = [str(launcher), "--num_gpus", "2", "train.py", "--ds_config", "ds_configs/usp_zero3.json",
+           "--sp-size", "2", "--max-steps", "2", "--no-export", "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "done: 2 steps" in done.stdout + done.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 2 and torch.isfinite(torch.tensor(losses)).all(), rows
 
 
 def _small_config(tmp_path, sp: int = 2) -> str:
