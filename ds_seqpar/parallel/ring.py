@@ -144,7 +144,7 @@ def _tiles(rows: slice, min_rows: int) -> list[slice]:
     return [slice(a, b) for a, b in itertools.pairwise(bounds)]
 
 
-def _split_full(
+def _backward_tiles(
     tasks: list[Any], segments: list[tuple[int, int]], min_rows: int = BACKWARD_TILE_MIN
 ) -> list[Any]:
     """The backward's calls: FULL tasks cut at segment boundaries, then each piece into tiles
@@ -714,7 +714,7 @@ class _PairWork:
 
     def _backward_tasks(self, owner: int) -> list[_BlockTask | _VarlenTask]:
         """The forward's calls with FULL rectangles cut at segment boundaries and into tiles
-        (``_split_full``): the backward kernel's dq / dk / dv parts exist for one tile at a time, not for
+        (``_backward_tiles``): the backward kernel's dq / dk / dv parts exist for one tile at a time, not for
         the whole rectangle."""
         plan, q = self.plan, self.rows.q
         tasks = self._tasks(owner)
@@ -723,7 +723,7 @@ class _PairWork:
         tile = BACKWARD_TILE_MIN
         key = ("backward", self.seq_len, plan.schedule.ring_rank, owner, q.shape[0], self.varlen, tile)
         segments = plan.layout.segments(self.seq_len)
-        return _cached(plan, key, q.device, lambda: _split_full(tasks, segments, tile))
+        return _cached(plan, key, q.device, lambda: _backward_tiles(tasks, segments, tile))
 
     def forward(self, k_blk: torch.Tensor, v_blk: torch.Tensor, owner: int) -> None:
         plan, q, n = self.plan, self.rows.q, self.rows.q.shape[1]
