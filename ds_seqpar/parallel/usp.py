@@ -199,7 +199,7 @@ def attention(
 
         return pipelined_ulysses(q, k, v, heads, groups, mesh, attend, sinks)
     q2, k2, v2 = scatter_heads(q, k, v, heads, mesh, separate=mesh.ring_size > 1)
-    if sinks is not None or mesh.ulysses_size * mesh.ring_size == 1:  # one rank: nothing is kept twice
+    if sinks is not None or mesh.sp_size == 1:  # one rank: nothing is kept twice
         out, _ = ring_attention(q2, k2, v2, plan, softmax_scale, local_sinks(sinks, heads, mesh))
         return gather_heads(out, heads, mesh)
     delta = OutputDelta()
