@@ -1,6 +1,7 @@
 """The ``"sequence_parallel"`` section of a DeepSpeed JSON, as a typed and validated model.
 
-Example (all keys optional except ``size``)::
+Example (all keys optional except ``size``, which may be ``"auto"``: every rank of the world, or
+world / ``data_parallel_size``)::
 
     "sequence_parallel": {
       "enabled": true,
@@ -233,8 +234,16 @@ class SequenceParallelConfig(_Section):
     """The validated ``sequence_parallel`` section of a DeepSpeed config."""
 
     enabled: StrictBool = Field(True, description="Turn sequence parallelism on or off.")
-    size: StrictInt = Field(
-        ..., description="SP degree P: ranks that split one sequence. World size must be a multiple.", ge=1
+    size: Annotated[StrictInt, Field(ge=1)] | Literal["auto"] = Field(
+        ...,
+        description="SP degree P: ranks that split one sequence. World size must be a multiple. "
+        '"auto" = world / data_parallel_size (all ranks of the world when data_parallel_size is unset); '
+        "resolved when the config is loaded.",
+    )
+    data_parallel_size: Annotated[StrictInt, Field(ge=1)] | None = Field(
+        None,
+        description="Data-parallel degree dp (SP groups that read different samples). Optional: with it, "
+        'world = data_parallel_size x size is checked, and size="auto" becomes world / data_parallel_size.',
     )
     ulysses_degree: Annotated[StrictInt, Field(ge=1)] | Literal["auto"] = Field(
         "auto",
@@ -278,6 +287,8 @@ class SequenceParallelConfig(_Section):
     @model_validator(mode="after")
     def _check_degrees(self) -> SequenceParallelConfig:
         p, u = self.size, self.ulysses_degree
+        if p == "auto":  # checked again once parse_section has resolved it from the world size
+            return self
         if self.attention == "ulysses" and u not in ("auto", p):
             raise ValueError(
                 f"sequence_parallel.ulysses_degree={u} conflicts with attention='ulysses', which needs "
@@ -382,6 +393,20 @@ class SequenceParallelConfig(_Section):
                 e.g. a HuggingFace ``PretrainedConfig``, or None to skip the head checks.
             world_size: total number of ranks, or None to skip the world check.
         """
+        if self.size == "auto":
+            raise SeqParConfigError(
+                'sequence_parallel.size="auto" is resolved by parse_section / load_config (from the world size); '
+                "validate() needs the resolved section"
+            )
+        dp = self.data_parallel_size
+        if world_size is not None and dp is not None and dp * self.size != world_size:
+            raise SeqParConfigError(
+                f"sequence_parallel.data_parallel_size={dp} x size={self.size} = {dp * self.size} ranks, but the "
+                f"world has {world_size}; valid: data_parallel_size={world_size // self.size} for size={self.size}"
+                if world_size % self.size == 0
+                else f"sequence_parallel.data_parallel_size={dp} x size={self.size} = {dp * self.size} ranks, but "
+                f'the world has {world_size}; valid: size="auto" or a size that divides {world_size}'
+            )
         if world_size is not None and (world_size < 1 or world_size % self.size != 0):
             valid = divisors(world_size) if world_size >= 1 else [1]
             raise SeqParConfigError(
@@ -547,24 +572,53 @@ def _format_error(err: dict[str, Any]) -> str:
     return f"{key}={bad!r}: {err['msg']}"
 
 
-def parse_section(section: dict[str, Any]) -> SequenceParallelConfig:
-    """Validate a ``sequence_parallel`` dict; raise ``SeqParConfigError`` listing every problem."""
+def current_world_size() -> int:
+    """The world size: torch.distributed's when it is up, else the launcher's ``WORLD_SIZE`` (1 alone)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    value = os.environ.get("WORLD_SIZE", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise SeqParConfigError(f"WORLD_SIZE={value!r} in the environment is not a positive integer")
+    return int(value)
+
+
+def parse_section(section: dict[str, Any], world_size: int | None = None) -> SequenceParallelConfig:
+    """Validate a ``sequence_parallel`` dict; raise ``SeqParConfigError`` listing every problem.
+
+    ``size: "auto"`` is resolved here to ``world_size / data_parallel_size`` (``world_size`` defaults
+    to :func:`current_world_size`), so the returned section always has an integer ``size``.
+    """
     if not isinstance(section, dict):
         raise SeqParConfigError(
             f"{SECTION}={section!r} must be an object (JSON dict); valid: "
             f'{{"{SECTION}": {{"size": 8, "ulysses_degree": 2}}}}'
         )
     try:
-        return SequenceParallelConfig.model_validate(section)
+        parsed = SequenceParallelConfig.model_validate(section)
     except ValidationError as exc:
         lines = [_format_error(e) for e in exc.errors()]
         raise SeqParConfigError("\n".join(dict.fromkeys(lines))) from None
+    if parsed.size != "auto":
+        return parsed
+    world = current_world_size() if world_size is None else world_size
+    dp = parsed.data_parallel_size or 1
+    if world % dp != 0:
+        raise SeqParConfigError(
+            f'sequence_parallel.size="auto" with data_parallel_size={dp}: {dp} does not divide the world size '
+            f"{world}; valid: data_parallel_size in {_fmt_choices(divisors(world))}"
+        )
+    return parse_section({**section, "size": world // dp}, world)
 
 
 def load_config(
     config: str | os.PathLike[str] | dict[str, Any],
+    world_size: int | None = None,
 ) -> tuple[SequenceParallelConfig, dict[str, Any]]:
     """Read a whole DeepSpeed config (path or dict) and split off the ``sequence_parallel`` section.
+
+    ``world_size`` resolves ``size: "auto"`` (default: :func:`current_world_size`).
 
     Returns:
         ``(section, ds_config)``: the validated section, and a copy of the DeepSpeed dict without the
@@ -598,7 +652,7 @@ def load_config(
             f"the DeepSpeed config has no '{SECTION}' section; valid: add "
             f'"{SECTION}": {{"size": <ranks per sequence>}} (see docs/configuration.md)'
         )
-    section = parse_section(ds_config.pop(SECTION))
+    section = parse_section(ds_config.pop(SECTION), world_size)
     sp_size = section.size if section.enabled else 1
     existing = ds_config.get("sequence_parallel_size")
     if existing is not None and existing != sp_size:

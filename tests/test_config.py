@@ -93,9 +93,11 @@ BAD_SECTIONS = [
         r"sequence_parallel\.ulysses_degree=2\.0 is not valid; valid: a positive integer or auto",
     ),
     ({}, r"sequence_parallel\.size is required; e\.g\. sequence_parallel\.size=8"),
-    ({"size": 0}, r"sequence_parallel\.size=0 must be >= 1; valid: e\.g\. 1, 2, 4, 8"),
-    ({"size": "8"}, r"sequence_parallel\.size='8' must be an integer .*valid: e\.g\. 1, 2, 4, 8"),
-    ({"size": True}, r"sequence_parallel\.size=True must be an integer"),
+    ({"size": 0}, r"sequence_parallel\.size=0 is not valid; valid: a positive integer or auto"),
+    ({"size": "all"}, r"sequence_parallel\.size='all' is not valid; valid: a positive integer or auto"),
+    ({"size": "auto", "data_parallel_size": 0}, r"sequence_parallel\.data_parallel_size=0"),
+    ({"size": "8"}, r"sequence_parallel\.size='8' is not valid; valid: a positive integer or auto"),
+    ({"size": True}, r"sequence_parallel\.size=True is not valid; valid: a positive integer or auto"),
     (
         {"size": 8, "sise": 8},
         r"sequence_parallel\.sise is not a known key \(did you mean 'size'\?\); valid keys: enabled, size",
@@ -224,3 +226,53 @@ def test_every_config_field_is_documented():
     doc = (REPO / "docs" / "configuration.md").read_text()
     missing = [path for path in config_field_paths() if f"`{path}`" not in doc]
     assert not missing, f"docs/configuration.md does not document: {missing}"
+
+
+@pytest.mark.parametrize(
+    ("section", "world", "size"),
+    [
+        ({"size": "auto"}, 8, 8),
+        ({"size": "auto", "data_parallel_size": 2}, 8, 4),
+        ({"size": "auto", "data_parallel_size": 8}, 8, 1),
+        ({"size": "auto", "ulysses_degree": 2}, 6, 6),
+    ],
+)
+def test_auto_size_is_world_over_dp(section, world, size):
+    resolved = parse_section(section, world)
+    assert resolved.size == size
+    assert resolved.model_dump(exclude_unset=True)["size"] == size  # re-parsed copies keep the integer
+    resolved.validate(None if "ulysses_degree" in section else {"num_attention_heads": 8}, world)
+
+
+def test_auto_size_reads_the_launchers_world(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    section, ds_config = load_config({"sequence_parallel": {"size": "auto"}})
+    assert (section.size, ds_config["sequence_parallel_size"]) == (2, 2)
+    section, ds_config = load_config({"sequence_parallel": {"size": "auto"}}, world_size=4)
+    assert (section.size, ds_config["sequence_parallel_size"]) == (4, 4)
+
+
+@pytest.mark.parametrize(
+    ("section", "world", "message"),
+    [
+        (
+            {"size": "auto", "data_parallel_size": 3},
+            8,
+            r"data_parallel_size=3: 3 does not divide the world size 8",
+        ),
+        ({"size": "auto", "ulysses_degree": 3}, 8, r"ulysses_degree=3 does not divide size=8"),
+    ],
+)
+def test_auto_size_errors_name_the_world(section, world, message):
+    with pytest.raises(SeqParConfigError, match=message):
+        parse_section(section, world)
+
+
+def test_data_parallel_size_must_match_the_world():
+    section = parse_section({"size": 4, "data_parallel_size": 3, "ulysses_degree": 1})
+    with pytest.raises(
+        SeqParConfigError,
+        match=r"data_parallel_size=3 x size=4 = 12 ranks, but the world has 8; valid: data_parallel_size=2",
+    ):
+        section.validate(None, 8)
+    section.validate(None, 12)
