@@ -21,7 +21,8 @@ group           members                                          used for
 =============== ================================================ ==============================
 
 Nothing here is module-level state: a ``SeqParMesh`` is built once and passed explicitly.
-``plan_mesh`` computes the member lists without torch.distributed, so it can be checked anywhere.
+``plan_mesh`` computes the member lists without torch.distributed, so it can be checked anywhere;
+``plan_from_config`` does the same for a ``sequence_parallel`` section (``python -m ds_seqpar.report``).
 """
 
 from __future__ import annotations
@@ -143,6 +144,22 @@ def plan_mesh(
     return MeshPlan(world_size, sp_size, ulysses_size, ring_inner_size or ring)
 
 
+def _mesh_sizes(resolved: SequenceParallelConfig) -> tuple[int, int, int | None]:
+    """``(sp_size, ulysses_size, ring_inner_size)`` of a validated section (1, 1, None when disabled)."""
+    if not resolved.enabled:
+        return 1, 1, None
+    return resolved.size, resolved.resolved_ulysses_degree, resolved.ring.inner_size
+
+
+def plan_from_config(
+    config: SequenceParallelConfig, world_size: int, model_config: Any = None
+) -> tuple[SequenceParallelConfig, MeshPlan]:
+    """The resolved section and the plan of the mesh :meth:`SeqParMesh.from_config` builds on
+    ``world_size`` ranks (U resolved against ``model_config``), without torch.distributed."""
+    resolved = config.validate(model_config, world_size)
+    return resolved, plan_mesh(world_size, *_mesh_sizes(resolved))
+
+
 @dataclass
 class SeqParMesh:
     """The live mesh: this rank's coordinates, process groups and a communication counter.
@@ -204,10 +221,9 @@ class SeqParMesh:
         """Build the mesh described by a validated config (U resolved against ``model_config``)."""
         world = dist.get_world_size() if dist.is_initialized() else None
         resolved = config.validate(model_config, world)
-        if not resolved.enabled:
-            return cls.build(1, 1, None)
-        mesh = cls.build(resolved.size, resolved.resolved_ulysses_degree, resolved.ring.inner_size)
-        mesh.config = resolved
+        mesh = cls.build(*_mesh_sizes(resolved))
+        if resolved.enabled:
+            mesh.config = resolved
         return mesh
 
     @property

@@ -19,6 +19,7 @@ from ds_seqpar.layout import SeqLayout, doc_ids_from_cu_seqlens
 from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward
 from ds_seqpar.ops.masks import BlockKind, MaskSpec, token_mask
 from ds_seqpar.ops.reference import dense_attention_reference
+from ds_seqpar.parallel.comm_volume import ring_bytes
 from ds_seqpar.parallel.ring import OutputDelta, RingPlan, WorkCounter, build_schedule, ring_attention
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -295,7 +296,8 @@ def test_all_gather_schedule(dist_pool):
 
 
 def test_bytes_per_rank_equal_the_formula(dist_pool):
-    """docs/ring.md "Bytes per rank and layer": fwd 2(R-1)·B·n·H_kv·D·b; bwd the same for K/V + 2R·B·n·H_kv·D·b_acc (dK, dV)."""
+    """docs/ring.md "Bytes per rank and layer" (``parallel/comm_volume.py``): fwd 2(R-1)·B·n·H_kv·D·b; bwd the
+    same for K/V + 2R·B·n·H_kv·D·b_acc (dK, dV)."""
     h_kv, b = 2, 8  # fp64
     single = dict(
         layout="zigzag", causal=True, h_kv=h_kv, dtype=torch.float64, seq_len=64, ring_inner=None, seed=1
@@ -304,22 +306,23 @@ def test_bytes_per_rank_equal_the_formula(dist_pool):
     gather = dict(single, schedule="all_gather")
     results = dist_pool(8).run(run_ring_cases, [single, double, gather])
     r, n = 8, 8
-    blk = B * n * h_kv * D * b  # one of K or V on one rank
+    one, two, ag = (
+        ring_bytes(B, n, h_kv, D, r, b, b, inner=inner, schedule=schedule)
+        for inner, schedule in ((None, "p2p"), (2, "p2p"), (None, "all_gather"))
+    )
     for rank in range(8):
         s, d, g = results[rank]
-        assert s["fwd"] == {"p2p": {"bytes": 2 * (r - 1) * blk, "messages": r - 1}}
+        assert s["fwd"] == {"p2p": {"bytes": one.forward["p2p"], "messages": r - 1}}
         # the inner ring moves dK and dV as one message each (RingComm.exchange_each)
-        assert s["bwd"] == {"p2p": {"bytes": 2 * (r - 1) * blk + 2 * r * blk, "messages": (r - 1) + 2 * r}}
+        assert s["bwd"] == {"p2p": {"bytes": one.backward["p2p"], "messages": (r - 1) + 2 * r}}
         # double ring 4 outer x 2 inner: R-1 K/V sends, R inner (two messages each) + R_out outer accumulator sends
-        assert d["fwd"] == {"p2p": {"bytes": 2 * (r - 1) * blk, "messages": r - 1}}
-        assert d["bwd"] == {
-            "p2p": {"bytes": 2 * (r - 1) * blk + 2 * (r + 4) * blk, "messages": (r - 1) + 2 * r + 4}
-        }
+        assert d["fwd"] == {"p2p": {"bytes": two.forward["p2p"], "messages": r - 1}}
+        assert d["bwd"] == {"p2p": {"bytes": two.backward["p2p"], "messages": (r - 1) + 2 * r + 4}}
         # all-gather: own shard to R-1 peers; backward re-gathers and reduce-scatters dK, dV
-        assert g["fwd"] == {"all_gather": {"bytes": 2 * (r - 1) * blk, "messages": 1}}
+        assert g["fwd"] == {"all_gather": {"bytes": ag.forward["all_gather"], "messages": 1}}
         assert g["bwd"] == {
-            "all_gather": {"bytes": 2 * (r - 1) * blk, "messages": 1},
-            "reduce_scatter": {"bytes": 2 * (r - 1) * blk, "messages": 1},
+            "all_gather": {"bytes": ag.backward["all_gather"], "messages": 1},
+            "reduce_scatter": {"bytes": ag.backward["reduce_scatter"], "messages": 1},
         }
 
 

@@ -14,6 +14,7 @@ from ds_seqpar.comm.all_to_all import HeadPlan, split_heads
 from ds_seqpar.layout import doc_ids_from_cu_seqlens
 from ds_seqpar.ops.masks import MaskSpec, token_mask
 from ds_seqpar.ops.reference import dense_attention_reference
+from ds_seqpar.parallel.comm_volume import attention_layer_bytes, ulysses_bytes
 from ds_seqpar.parallel.ulysses_pipeline import HeadGroups
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -81,7 +82,8 @@ def run_usp_cases(cases: list[dict]) -> list[dict]:
                 positions=layout.local_positions(seq_len, me),
                 doc_ids=docs,
             )
-        out.backward(layout.shard(dout, me))
+        with mesh.comm_stats.measure() as bwd:
+            out.backward(layout.shard(dout, me))
         errors = {
             name: (got.double() - layout.shard(ref, me)).abs().max().item()
             for name, got, ref in (
@@ -91,7 +93,7 @@ def run_usp_cases(cases: list[dict]) -> list[dict]:
                 ("dv", vl.grad, v64.grad),
             )
         }
-        results.append({"errors": errors, "fwd": fwd.as_dict()})
+        results.append({"errors": errors, "fwd": fwd.as_dict(), "bwd": bwd.as_dict()})
     return results
 
 
@@ -222,12 +224,6 @@ def test_pipelined_ulysses_without_grad_gives_the_same_output(dist_pool):
     assert max(dist_pool(8).run(run_without_grad, case)) == 0.0
 
 
-def _ulysses_bytes(case: dict, p: int, b: int) -> int:
-    """docs/attention.md "Bytes per rank and layer" (fwd, R = 1): (U-1)/U · B·n·D·(2H + 2H_kv') · bytes, H_kv' after replication."""
-    u, h, kv = case["u"], case["h"], max(case["h_kv"], case["u"])
-    return (u - 1) * case.get("batch", B) * (case["seq_len"] // p) * D * (2 * h + 2 * kv) * b // u
-
-
 def test_pipelined_ulysses_matches_reference_and_moves_the_same_bytes(dist_pool):
     results = dist_pool(8).run(run_usp_cases, PIPELINED)
     _check(PIPELINED, results)
@@ -235,7 +231,9 @@ def test_pipelined_ulysses_matches_reference_and_moves_the_same_bytes(dist_pool)
         groups = HeadGroups.build(HeadPlan.build(case["h"], case["h_kv"], 8), case.get("chunks", 4))
         for per_rank in results:
             fwd = per_rank[i]["fwd"]["all_to_all"]
-            assert fwd["bytes"] == _ulysses_bytes(case, 8, case["dtype"].itemsize), (case, fwd)
+            batch, n, b = case.get("batch", B), case["seq_len"] // 8, case["dtype"].itemsize
+            expected = ulysses_bytes(batch, n, case["h"], case["h_kv"], D, 8, b)
+            assert fwd["bytes"] == expected, (case, fwd)
             assert fwd["messages"] == 2 * groups.groups, (case, fwd)  # in and out, per group
 
 
@@ -254,25 +252,25 @@ def test_head_groups():
 
 
 def test_bytes_per_rank_equal_usp_formula(dist_pool):
-    """docs/attention.md "Bytes per rank and layer" (fwd): Ulysses (U-1)/U·B·n·D·(2H+2H_kv)·b + ring 2(R-1)·B·(S/R)·(H_kv/U)·D·b."""
-    p, s, h, h_kv, b = 8, 64, 8, 4, 8
+    """docs/attention.md "Bytes per rank and layer" (``parallel/comm_volume.py``): Ulysses
+    (U-1)/U·B·n·D·(2H+2H_kv)·b + ring 2(R-1)·B·(S/R)·(H_kv/U)·D·b forward; backward the same plus Δ
+    and the ring's dK/dV accumulators. Every rank, including uneven head splits (H=6 over U=4)."""
+    p, s, b = 8, 64, 8
     cases = [
-        dict(u=u, layout="zigzag", causal=True, dtype=torch.float64, seq_len=s, h=h, h_kv=h_kv)
-        for u in (1, 2, 4, 8)
-        if h_kv % u == 0 or u == 8
+        dict(u=u, layout="zigzag", causal=True, dtype=torch.float64, seq_len=s, h=8, h_kv=4)
+        for u in (1, 2, 4, 8)  # U=8 > H_kv=4 replicates each K/V head to 2 ranks
     ]
+    cases.append(dict(cases[0], u=4, h=6, h_kv=2))  # heads 2, 2, 1, 1 per Ulysses rank
     results = dist_pool(p).run(run_usp_cases, cases)
-    n = s // p
     for i, case in enumerate(cases):
-        u = case["u"]
-        r = p // u
-        kv_heads = max(h_kv, u)  # U=8 > H_kv=4 replicates each K/V head to 2 ranks
-        ulysses = (u - 1) * B * n * D * (2 * h + 2 * kv_heads) * b // u
-        ring = 2 * (r - 1) * B * (s // r) * (kv_heads // u) * D * b
-        for per_rank in results:
-            fwd = per_rank[i]["fwd"]
-            assert fwd.get("all_to_all", {"bytes": 0})["bytes"] == ulysses, (case, fwd)
-            assert fwd.get("p2p", {"bytes": 0})["bytes"] == ring, (case, fwd)
+        config = SequenceParallelConfig(size=p, ulysses_degree=case["u"])
+        for rank, per_rank in enumerate(results):
+            expected = attention_layer_bytes(
+                config, s, case["h"], case["h_kv"], D, batch=B, element_bytes=b, ulysses_rank=rank % case["u"]
+            )
+            for direction, want in (("fwd", expected.forward), ("bwd", expected.backward)):
+                got = {kind: stat["bytes"] for kind, stat in per_rank[i][direction].items()}
+                assert got == want, (case, rank, direction, got, want)
 
 
 def test_head_plans():
