@@ -243,3 +243,23 @@ def run_distributed(
     """One-off: spawn ``world_size`` ranks, run ``fn`` once, tear down. Prefer a pool for many cases."""
     with DistPool(world_size, timeout=timeout) as pool:
         return pool.run(fn, *args, **kwargs)
+
+
+LAUNCHER_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_launcher(cmd: list[str], cwd: str, timeout: float = 600.0, env: dict[str, str] | None = None) -> Any:
+    """Run a launcher command line (``torchrun``, ``deepspeed``, ``accelerate launch``) as a user would.
+
+    The pytest process's own distributed variables are removed, ``OMP_NUM_THREADS=1`` is set (CPU
+    ranks share the cores), and ``env`` is added. Returns the ``subprocess.CompletedProcess`` with
+    stdout and stderr as text; the caller asserts on it.
+    """
+    import subprocess
+
+    full = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    for key in LAUNCHER_ENV_KEYS:
+        full.pop(key, None)
+    return subprocess.run(
+        cmd, cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout, check=False
+    )

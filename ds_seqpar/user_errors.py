@@ -1,0 +1,115 @@
+"""Report an expected user error once per job, as the last lines of the output, without a traceback.
+
+A configuration or input error (a bad key, a model feature ds_seqpar refuses, a missing file, an
+unusable flag) is found identically on every rank, before any collective. Printed by every rank with
+its traceback it would appear N times, buried above the launcher's failure report. Instead
+:func:`run_main` catches the errors in ``USER_ERRORS`` and:
+
+* the first rank of the job that reaches the report (a lock file keyed by the launcher process)
+  reports it and exits with code 2; every other rank exits with code 0 at once, quietly, so the
+  launcher's summary names one failed rank;
+* under ``torchrun`` the report goes into torchrun's error file (``TORCHELASTIC_ERROR_FILE``), which
+  torchrun prints as the ``traceback`` line at the end of its failure summary; under other launchers
+  (DeepSpeed's, ``accelerate launch``, a single process) it goes to stderr;
+* ``DS_SEQPAR_DEBUG=1`` re-raises instead, with the full traceback on every rank.
+
+Anything else (a bug, an out-of-memory error) propagates unchanged, with its traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from ds_seqpar.comm.step_watch import StepFailed
+from ds_seqpar.config import SeqParConfigError
+from ds_seqpar.integrations.hf_model import UnsupportedModelError
+from ds_seqpar.layout import LayoutError
+
+DEBUG_ENV = "DS_SEQPAR_DEBUG"
+EXIT_CODE = 2
+WINNER_EXIT_DELAY_S = 1.0  # the other ranks exit first, so the launcher reports this rank alone
+
+
+class UsageError(SeqParConfigError):
+    """A command-line flag that cannot be used (what ``argparse`` reports as ``error:``)."""
+
+
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    SeqParConfigError,
+    UnsupportedModelError,
+    LayoutError,
+    StepFailed,
+    FileNotFoundError,
+)
+
+
+def _job_key() -> str:
+    """Identifies this job among the processes of one machine: the launcher (parent) pid and its start."""
+    ppid = os.getppid()
+    try:
+        started = int(os.stat(f"/proc/{ppid}").st_ctime)
+    except OSError:
+        started = 0
+    return f"{ppid}-{started}-{os.environ.get('MASTER_PORT', '')}"
+
+
+def _claim_report() -> bool:
+    """True for the first rank of this job (on this machine) that asks; False for every later one."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return True
+    path = os.path.join(tempfile.gettempdir(), f"ds_seqpar-error-{_job_key()}")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    except OSError:  # no writable temp dir: fall back to rank 0
+        return os.environ.get("RANK", "0") == "0"
+    os.close(fd)
+    return True
+
+
+def format_report(exc: BaseException) -> str:
+    """The lines a user sees: the error's kind and its message (which names the value and the fix)."""
+    text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, UsageError):
+        return text
+    return f"ds_seqpar: error ({type(exc).__name__}): {text}"
+
+
+def report(exc: BaseException) -> NoReturn:
+    """Report ``exc`` once for the job (see the module docstring) and exit."""
+    if not _claim_report():
+        sys.stdout.flush()
+        os._exit(0)  # quietly: no atexit hooks of the libraries that would print on their way out
+    text = format_report(exc)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    sys.stdout.flush()
+    if error_file:
+        payload = {
+            "message": {
+                "message": text,
+                "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))},
+            }
+        }
+        with open(error_file, "w", encoding="utf-8") as fh:
+            json.dump(payload, fh)
+    else:
+        print(text, file=sys.stderr, flush=True)
+    time.sleep(WINNER_EXIT_DELAY_S if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0.0)
+    os._exit(EXIT_CODE)
+
+
+def run_main(main: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``main(*args, **kwargs)``, with the errors in ``USER_ERRORS`` reported once (module docstring)."""
+    try:
+        return main(*args, **kwargs)
+    except USER_ERRORS as exc:
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        report(exc)
