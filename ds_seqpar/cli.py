@@ -23,7 +23,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -50,8 +50,17 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text
 
 
+class _Parser(argparse.ArgumentParser):
+    """``error()`` raises ``UsageError`` instead of printing on every rank (``user_errors.run_main`` reports it once)."""
+
+    def error(self, message: str) -> NoReturn:
+        from ds_seqpar.user_errors import UsageError
+
+        raise UsageError(f"{self.format_usage().rstrip()}\n{self.prog}: error: {message}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="train.py",
         description="Long-context fine-tuning with ds_seqpar (sequence parallelism under DeepSpeed).",
         epilog="Launch with deepspeed --num_gpus N train.py ... or torchrun --nproc_per_node N train.py ... "
@@ -138,7 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="save a DeepSpeed checkpoint every N steps (0: only at the end)",
     )
     p.add_argument(
-        "--resume", action="store_true", help="continue from the latest checkpoint in OUTPUT_DIR/checkpoints"
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in OUTPUT_DIR/checkpoints (one saved by another number of "
+        "ranks is converted to DeepSpeed's universal checkpoint first)",
     )
     p.add_argument(
         "--eval-every",
@@ -209,6 +221,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SeqParConfigError(f"{args.ds_config}: sequence_parallel.enabled is false; train.py needs it on")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     section.validate(_model_config(args), world)  # heads vs U, world vs size: before any process group
+    _check_monitor(ds_config, args.ds_config, args.output_dir)
     args.section, args.ds_config_dict = section, ds_config
     return args
 
@@ -352,13 +365,72 @@ def _batches(loader: Any, skip: int) -> Iterator[dict[str, Any]]:
         epoch += 1
 
 
-class _Log:
-    """Rank-0 progress bar / lines and the metrics file."""
+# DeepSpeed's monitor sections that need a package: key -> (module to import, what to pip install)
+MONITOR_PACKAGES = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "comet": ("comet_ml", "comet_ml>=3.41.0"),
+}
+MONITOR_KEYS = ("tensorboard", "csv_monitor", "wandb", "comet")
+EVENT_PREFIX = "ds_seqpar/"  # metrics.jsonl column X is the monitor event ds_seqpar/X
 
-    def __init__(self, args: argparse.Namespace, rank: int, start_step: int) -> None:
+
+def _check_monitor(ds_config: dict[str, Any], config_path: str, output_dir: str) -> None:
+    """Check DeepSpeed's monitor sections before any process group, and default their ``output_path``.
+
+    DeepSpeed builds its monitors on rank 0 only, inside ``deepspeed.initialize``: a missing package
+    fails there with a bare ImportError while the other ranks wait in a collective. Here every rank
+    fails first, naming the key. An empty ``output_path`` (tensorboard, csv_monitor) becomes
+    ``--output-dir`` (DeepSpeed's default is the launch directory), so files go to
+    ``OUTPUT_DIR/<job_name>/``.
+    """
+    present = {k: ds_config[k] for k in MONITOR_KEYS if k in ds_config}
+    if not present:
+        return
+    import importlib.metadata
+    import importlib.util
+
+    from deepspeed.monitor.config import get_monitor_config
+    from packaging.version import Version
+
+    try:
+        monitor = get_monitor_config(present)
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        keys = ", ".join(present)
+        raise SeqParConfigError(
+            f"{config_path}: DeepSpeed rejects the monitor section(s) {keys}: {exc}"
+        ) from None
+    for key, (module, requirement) in MONITOR_PACKAGES.items():
+        if not getattr(monitor, key).enabled:
+            continue
+        found = importlib.util.find_spec(module) is not None
+        if found and key == "comet":
+            found = Version(importlib.metadata.version("comet_ml")) >= Version("3.41.0")
+        if not found:
+            raise SeqParConfigError(
+                f'{config_path}: "{key}": {{"enabled": true}} needs the {requirement!r} package, which is not '
+                f'installed; fix: pip install "{requirement}", or set "{key}.enabled" to false'
+            )
+    for key in ("tensorboard", "csv_monitor"):
+        if getattr(monitor, key).enabled and not getattr(monitor, key).output_path:
+            ds_config[key] = {**ds_config[key], "output_path": output_dir}
+
+
+class _Log:
+    """Rank-0 progress bar / lines, the metrics file and the DeepSpeed monitor events.
+
+    With a monitor section enabled (``engine.monitor.enabled``), every numeric column X of a metrics
+    row (``step`` included) is also written as the event ``ds_seqpar/X`` through
+    ``engine.monitor.write_events`` (TensorBoard, CSV, W&B, Comet; DeepSpeed writes on global rank 0
+    only), at DeepSpeed's x-axis, ``engine.global_samples``, like its own ``Train/Samples/*`` events
+    (W&B drops events at a step below one already logged; Comet's interval counts samples).
+    """
+
+    def __init__(self, args: argparse.Namespace, rank: int, start_step: int, engine: Any = None) -> None:
         self.rank = rank
         self.bar = None
         self.file = None
+        self.engine = engine if getattr(getattr(engine, "monitor", None), "enabled", False) else None
         if rank != 0:
             return
         out = Path(args.output_dir)
@@ -372,15 +444,27 @@ class _Log:
             )
 
     def record(self, row: dict[str, Any]) -> None:
+        """Append ``row`` to metrics.jsonl and send its numbers to the monitor (rank 0)."""
         if self.file is not None:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
+        if self.engine is not None and self.rank == 0:
+            samples = int(self.engine.global_samples)  # step x train_batch_size (DeepSpeed keeps a float)
+            events = [
+                (EVENT_PREFIX + key, value, samples)
+                for key, value in row.items()
+                if isinstance(value, (int, float)) and not isinstance(value, bool)
+            ]
+            self.engine.monitor.write_events(events)
 
     def step(self, row: dict[str, Any]) -> None:
         self.record(row)
         if self.rank != 0:
             return
         text = f"loss {row['loss']:.4f} | {row['tokens_per_s']:.0f} tok/s | S {row['seq_len']} | comm {row['comm_MiB']:.1f} MiB"
+        for key in ("peak_memory_MiB", "max_rss_MiB"):
+            if key in row:
+                text += f" | {'peak' if key == 'peak_memory_MiB' else 'max RSS'} {row[key]:.0f} MiB"
         if "sparse_rho_s_max" in row:
             text += f" | sparse density {row['sparse_density']:.3f}, rho_s {row['sparse_rho_s_max']:.2f}"
         if self.bar is not None:
@@ -398,6 +482,20 @@ class _Log:
             self.bar.close()
         if self.file is not None:
             self.file.close()
+
+
+def _memory_metrics(device: torch.device) -> dict[str, float]:
+    """This rank's memory for the step row: on CUDA ``peak_memory_MiB`` (``max_memory_allocated`` since
+    the previous row, then reset; allocator counters, no device sync), elsewhere ``max_rss_MiB`` (the
+    process's peak resident set so far, ``getrusage`` ``ru_maxrss``; it never goes down)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        torch.cuda.reset_peak_memory_stats(device)
+        return {"peak_memory_MiB": peak}
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return {"max_rss_MiB": rss / (2**20 if sys.platform == "darwin" else 2**10)}
 
 
 def _sparse_metrics(mesh: Any) -> dict[str, float]:
@@ -451,6 +549,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     import ds_seqpar
+    from ds_seqpar.checkpoint_resume import SampleHistory, client_state, prepare_resume, resumed_history
     from ds_seqpar.comm.step_watch import StepWatch
     from ds_seqpar.integrations.deepspeed import init_distributed
 
@@ -482,6 +581,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "optimizer" not in ds_config:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr or 1e-4, weight_decay=0.0)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    # --resume on another world size: rank 0 converts the checkpoint to DeepSpeed's universal format
+    resume = prepare_resume(out_dir / "checkpoints") if args.resume else None
+    if resume is not None:
+        ds_config = resume.configure(ds_config)
     engine, _, _, _ = ds_seqpar.initialize(model=model, config=ds_config, optimizer=optimizer)
     mesh = engine.seqpar_mesh
 
@@ -494,12 +597,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     watch = StepWatch()  # a failed, dead or hung rank is named with its step instead of a bare comm error
     ckpt_dir = out_dir / "checkpoints"
     start = 0
-    if args.resume:
-        path, client = engine.load_checkpoint(str(ckpt_dir))
+    history = SampleHistory.fresh(micro * dp)  # samples per step over the run, for the data position
+    if resume is not None:
+        path, client = engine.load_checkpoint(str(ckpt_dir), tag=resume.tag)
         if path is None:
             raise FileNotFoundError(f"--resume: no checkpoint under {ckpt_dir}; run without --resume first")
         start = int(client["step"])
-    log = _Log(args, rank, start)
+        history = resumed_history(client, start, micro * dp)
+        if args.data is None and history.samples(0, args.max_steps) > args.max_steps * micro * dp:
+            train_sets, _ = _datasets(args, tokenizer, num_train=history.samples(0, args.max_steps))
+
+    def ckpt_state(at: int) -> dict[str, Any]:
+        shape = {"world_size": dist.get_world_size(), "dp_size": dp, "sp_size": mesh.sp_size}
+        return client_state(at, history, micro_batch=micro, **shape)
+
+    log = _Log(args, rank, start, engine)
     log.say(
         f"ds_seqpar: {mesh.describe()} | {args.section.attention}, layout {args.section.ring_layout[0]}, "
         f"S={args.seq_len}, {mesh.sp_size} ranks per sequence, lr {engine.optimizer.param_groups[0]['lr']:g}, "
@@ -522,7 +634,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if step < phase_end:
             if seq_len != args.seq_len:
                 log.say(f"curriculum: steps {step + 1}-{phase_end} at {seq_len} tokens, then {args.seq_len}")
-            batches = _batches(loader_for(dataset, shuffle=args.data is not None), skip=step - phase_start)
+            skip = history.skip(phase_start, step, micro * dp)  # in samples: dp may have changed
+            batches = _batches(loader_for(dataset, shuffle=args.data is not None), skip=skip)
         while step < phase_end:
             batch = next(batches)
             engine.module.step = step  # sparse.dense_warmup_steps counts optimizer steps
@@ -542,11 +655,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "seq_len": batch["seq_len"],
                     "comm_MiB": comm.total_bytes / 2**20,
                     "step_time_s": dt,
+                    **_memory_metrics(loss.device),
                     **_sparse_metrics(mesh),
                 }
             )
             if args.save_every and step % args.save_every == 0 and step < args.max_steps:
-                engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state={"step": step})
+                engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state=ckpt_state(step))
             if (args.eval_every and step % args.eval_every == 0) or step == args.max_steps:
                 last = _evaluate(engine, eval_loader)
                 log.record({"step": step, **last})
@@ -555,7 +669,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 )
         phase_start = phase_end
     if start < args.max_steps:
-        engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state={"step": step})
+        engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state=ckpt_state(step))
     if not args.no_export:
         _export(engine, model, tokenizer, out_dir / "hf_model", rank)
     watch.close()

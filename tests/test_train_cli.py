@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +14,8 @@ import torch.distributed as dist
 from ds_seqpar import SeqParConfigError
 from ds_seqpar.cli import DEFAULT_CONFIG, build_parser, main, parse_args
 from ds_seqpar.tasks.text import pack_documents
+from ds_seqpar.user_errors import UsageError
+from tests.harness import run_launcher
 
 
 def test_help_documents_every_flag():
@@ -54,11 +54,10 @@ def test_help_documents_every_flag():
         ),
     ],
 )
-def test_bad_flags_exit_with_a_message(capsys, argv, message):
-    with pytest.raises(SystemExit) as info:
+def test_bad_flags_exit_with_a_message(argv, message):
+    with pytest.raises(UsageError) as info:
         parse_args(argv)
-    assert info.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message in str(info.value) and "usage: train.py" in str(info.value)
     assert not dist.is_initialized()
 
 
@@ -96,19 +95,25 @@ def test_sp_size_flag_overrides_the_config(monkeypatch):
     assert not dist.is_initialized()
 
 
-def test_deepspeed_launcher_runs_a_shipped_config_on_cpu(tmp_path):
-    """docs/train.md: DeepSpeed's launcher on CPU (``--num_gpus N`` starts N processes) with the shipped
-    size-4 config on 2 ranks through ``--sp-size 2``, unedited."""
+@pytest.mark.parametrize("how", ["--sp-size", "size-auto"])
+def test_deepspeed_launcher_runs_a_shipped_config_on_cpu(tmp_path, how):
+    """docs/launch.md: DeepSpeed's launcher on CPU (``--num_gpus N`` starts N processes) on 2 ranks, with the
+    shipped size-4 config through ``--sp-size 2`` (unedited), and with a copy that says ``"size": "auto"``."""
     launcher = Path(sys.executable).with_name("deepspeed")
     root = DEFAULT_CONFIG.parent.parent
-    cmd = [str(launcher), "--num_gpus", "2", "train.py", "--ds_config", "ds_configs/usp_zero3.json",
-           "--sp-size", "2", "--max-steps", "2", "--no-export", "--output-dir", str(tmp_path / "run")]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False)
+    if how == "--sp-size":
+        config_args = ["--ds_config", "ds_configs/usp_zero3.json", "--sp-size", "2"]
+    else:
+        config = json.loads(DEFAULT_CONFIG.read_text())
+        config["sequence_parallel"]["size"] = "auto"
+        (tmp_path / "auto.json").write_text(json.dumps(config))
+        config_args = ["--ds_config", str(tmp_path / "auto.json")]
+    cmd = [str(launcher), "--num_gpus", "2", "train.py", *config_args, "--max-steps", "2", "--no-export",
+           "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    done = run_launcher(cmd, cwd=str(root))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "done: 2 steps" in done.stdout + done.stderr
+    assert "2 ranks per sequence" in done.stdout + done.stderr
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 2 and torch.isfinite(torch.tensor(losses)).all(), rows
@@ -159,6 +164,7 @@ def test_resume_gives_the_same_next_losses(dist_pool, tmp_path):
     assert sorted(losses) == [1, 2, 3, 4]
     assert [r["seq_len"] for r in full if "loss" in r] == [192, 192, 192, 256]
     assert after[3] == losses[3] and after[4] == losses[4], (after, losses)
+    assert after[1] == losses[1] and after[2] == losses[2]  # two runs of the same job: bit-identical
 
 
 def test_text_data_trains_and_exports(dist_pool, tmp_path):
@@ -368,3 +374,52 @@ def test_resume_under_another_factorisation_gives_the_same_next_losses(dist_pool
         after = {r["step"]: r["loss"] for r in resumed if "loss" in r}
         for step in (3, 4):
             assert after[step] == pytest.approx(losses[step], rel=1e-5, abs=1e-6), (u, after, losses)
+
+
+def test_a_config_error_is_reported_once_at_the_end(tmp_path):
+    """Under torchrun with 4 ranks: the message once, in the last 5 lines, no traceback, exit code != 0."""
+    config = json.loads(DEFAULT_CONFIG.read_text())
+    config["sequence_parallel"]["ring"]["layuot"] = "zigzag"
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps(config))
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [
+        str(torchrun),
+        "--nproc_per_node",
+        "4",
+        "train.py",
+        "--ds_config",
+        str(path),
+        "--output-dir",
+        str(tmp_path),
+    ]
+    done = run_launcher(cmd, cwd=str(DEFAULT_CONFIG.parent.parent))
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert done.returncode != 0
+    assert sum("layuot is not a known key" in line for line in lines) == 1, lines[-40:]
+    assert any("layuot is not a known key (did you mean 'layout'?)" in line for line in lines[-5:]), lines[
+        -10:
+    ]
+    assert not any("ds_seqpar/config.py" in line for line in lines), lines  # no traceback of ours
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps({"sequence_parallel": {"size": 1, "sise": 2}}))
+    cmd = [sys.executable, "train.py", "--ds_config", str(path)]
+    root = str(DEFAULT_CONFIG.parent.parent)
+    quiet, debug = run_launcher(cmd, cwd=root), run_launcher(cmd, cwd=root, env={"DS_SEQPAR_DEBUG": "1"})
+    assert quiet.returncode == 2 and "Traceback" not in quiet.stderr
+    assert (
+        quiet.stderr.strip()
+        .splitlines()[-1]
+        .startswith("ds_seqpar: error (SeqParConfigError): sequence_parallel.sise")
+    )
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "sequence_parallel.sise" in debug.stderr
+
+
+def test_a_bad_flag_is_reported_once(tmp_path):
+    cmd = [sys.executable, "train.py", "--seq-len", "0"]
+    done = run_launcher(cmd, cwd=str(DEFAULT_CONFIG.parent.parent))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == "train.py: error: --seq-len=0 must be >= 1"
