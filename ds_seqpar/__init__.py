@@ -5,6 +5,7 @@ Public API (more arrives with the attention, data and engine modules):
 * :func:`load_config` / :class:`SequenceParallelConfig`: the ``"sequence_parallel"`` section.
 * :class:`SeqParMesh` / :func:`plan_mesh`: process groups and coordinates (world = dp x sp).
 * :class:`CommStats`: bytes and messages per collective kind, per rank.
+* :class:`StepWatch` / :class:`StepFailed`: a failed, dead or hung rank named with its step.
 * :class:`UnsupportedModelError`: a model feature ds_seqpar cannot honour (named; see docs/models.md).
 * :class:`LayoutError`: a sequence length or shard that the token layout cannot split (a ValueError).
 * :func:`attention`: exact attention over the SP group (USP / Ulysses / ring, per the config);
@@ -14,11 +15,14 @@ Public API (more arrives with the attention, data and engine modules):
 * :func:`initialize`: ``deepspeed.initialize`` with the section honoured (mesh, mpu, HF attention
   routing, SP loss, sharding DataLoader); :class:`SeqParCausalLM`, :func:`shard_batch`,
   :func:`seqpar_dataloader`, :func:`sp_causal_lm_loss` are its parts.
+* :class:`SeqParTrainer` (HF Trainer), :func:`with_sequence_parallel` (any Trainer subclass, e.g.
+  TRL's ``SFTTrainer``), :func:`accelerate_prepare` (a loop under ``accelerate launch``).
 * :func:`memory_estimate` / :func:`largest_seq_len`: the memory model (predicted peak bytes per rank by
   category, docs/memory.md).
 """
 
 from ds_seqpar.comm.stats import CommRegion, CommStats
+from ds_seqpar.comm.step_watch import StepFailed, StepWatch
 from ds_seqpar.config import SeqParConfigError, SequenceParallelConfig, load_config, parse_section
 from ds_seqpar.data import SeqParCollator, seqpar_dataloader, shard_batch
 from ds_seqpar.integrations.deepspeed import initialize, install_deepspeed_guard, sequence_parallel_scope
@@ -55,8 +59,11 @@ __all__ = [
     "SeqParTrainer",
     "SequenceParallelConfig",
     "SparseLayerStats",
+    "StepFailed",
+    "StepWatch",
     "UnsupportedModelError",
     "__version__",
+    "accelerate_prepare",
     "attention",
     "disable_sequence_parallel",
     "enable_sequence_parallel",
@@ -73,13 +80,19 @@ __all__ = [
     "shard_batch",
     "sp_causal_lm_loss",
     "sparse_stats",
+    "with_sequence_parallel",
 ]
 
 
 def __getattr__(name: str):
-    """``ds_seqpar.SeqParTrainer`` is imported on first use (transformers.Trainer is a heavy import)."""
-    if name == "SeqParTrainer":
-        from ds_seqpar.integrations.trainer import SeqParTrainer
+    """``SeqParTrainer``, ``with_sequence_parallel`` and ``accelerate_prepare`` are imported on first use
+    (transformers.Trainer and accelerate are heavy imports)."""
+    if name in ("SeqParTrainer", "with_sequence_parallel"):
+        from ds_seqpar.integrations import trainer
 
-        return SeqParTrainer
+        return getattr(trainer, name)
+    if name == "accelerate_prepare":
+        from ds_seqpar.integrations.accelerate import accelerate_prepare
+
+        return accelerate_prepare
     raise AttributeError(f"module 'ds_seqpar' has no attribute {name!r}")

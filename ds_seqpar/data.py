@@ -34,6 +34,11 @@ from ds_seqpar.layout import UspLayout, input_layout
 from ds_seqpar.mesh import SeqParMesh
 
 IGNORE_INDEX = -100
+BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+# What padding-free collators (TRL's DataCollatorForLanguageModeling) add next to position_ids: the same
+# document boundaries in the forms flash-attention's varlen kernels and short convolutions take.
+# shard_batch derives the boundaries from position_ids; these are checked against them and dropped.
+PACKED_BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 def _pad_right(x: torch.Tensor, length: int, value: int) -> torch.Tensor:
@@ -77,6 +82,14 @@ def shard_batch(
     """
     if "input_ids" not in batch:
         raise ValueError(f"shard_batch needs 'input_ids' in the batch; got keys {sorted(batch)}")
+    unknown = sorted(k for k in batch if k not in BATCH_KEYS and k not in PACKED_BOUNDARY_KEYS)
+    if unknown:
+        raise ValueError(
+            f"shard_batch got batch keys {unknown} that sequence parallelism does not split or honour; valid: "
+            f"{', '.join(BATCH_KEYS)} (packed documents: position_ids restarting at 0); remove them from the "
+            "examples or the collator"
+        )
+    _check_packed_boundaries(batch)
     ids = torch.as_tensor(batch["input_ids"])
     if ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, S]; got shape {tuple(ids.shape)}")
@@ -119,6 +132,31 @@ def shard_batch(
         "doc_ids": doc_ids,
         "seq_len": seq_len,
     }
+
+
+def _check_packed_boundaries(batch: dict[str, Any]) -> None:
+    """``cu_seq_lens_*`` of a padding-free batch must be the document starts that ``position_ids`` gives."""
+    present = [k for k in PACKED_BOUNDARY_KEYS if k in batch]
+    if not present:
+        return
+    positions = batch.get("position_ids")
+    if positions is None:
+        raise ValueError(
+            f"batch keys {present} describe packed documents but the batch has no position_ids; valid: "
+            "position_ids restarting at 0 per document (what padding-free collators also return)"
+        )
+    positions = torch.as_tensor(positions)
+    starts = (positions[0] == 0).nonzero().flatten()
+    expected = torch.cat([starts, torch.tensor([positions.shape[-1]])])
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        if key in batch and (
+            positions.shape[0] != 1
+            or not torch.equal(torch.as_tensor(batch[key]).long().cpu(), expected.cpu())
+        ):
+            raise ValueError(
+                f"{key} does not match the document starts of position_ids (position 0 at {starts.tolist()}); "
+                "ds_seqpar takes packed documents from position_ids: make the two agree or drop the key"
+            )
 
 
 def _stack(examples: Sequence[dict[str, Any]]) -> dict[str, Any]:

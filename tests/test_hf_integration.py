@@ -368,7 +368,11 @@ def trainer_losses(use_sp: bool, out_dir: str, steps: int) -> list[float]:
         args = TrainingArguments(max_grad_norm=1.0, **common)
         trainer = Trainer(model=model, args=args, train_dataset=data)
     trainer.train()
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    if use_sp:  # every step ran under StepWatch: the store holds this rank's last step
+        store = dist.distributed_c10d._get_default_store()
+        losses.append(float(store.get(f"ds_seqpar/watch/beat/{dist.get_rank()}").decode()))
+    return losses
 
 
 def test_trainer_with_sp_matches_trainer_without(dist_pool, tmp_path):
@@ -376,6 +380,7 @@ def test_trainer_with_sp_matches_trainer_without(dist_pool, tmp_path):
     with_sp = dist_pool(4).run(trainer_losses, True, str(tmp_path / "sp"), 5)
     assert len(reference) == 5
     for losses in with_sp:
+        assert losses.pop() == 5  # the StepWatch beat of the last step
         assert len(losses) == 5
         for a, b in zip(losses, reference):
             assert abs(a - b) <= 1e-4 * abs(b), (losses, reference)

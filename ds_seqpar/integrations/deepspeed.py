@@ -51,8 +51,14 @@ def init_distributed(timeout_s: float | None = None) -> None:
     that failed, died or hangs; an existing process group keeps its own timeout.
     """
     import datetime
+    import warnings
 
     import deepspeed
+
+    # DeepSpeed 0.19.8 calls torch.distributed functions that torch 2.13 renamed: one warning per call is noise
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+    )
 
     if not torch.cuda.is_available():
         # DeepSpeed JIT-builds a shared-memory comm op on CPU (~1 min on a fresh machine) the first
@@ -132,19 +138,27 @@ def initialize(
         mpu=mesh.mpu(),
         **deepspeed_kwargs,
     )
-    loader = None
-    if training_data is not None:
-        loader = seqpar_dataloader(
-            training_data,
-            mesh,
-            int(ds_config.get("train_micro_batch_size_per_gpu", 1)),
-            collate_fn=collate_fn,
-            shuffle=shuffle,
-            seed=seed,
-            pad_token_id=pad_token_id,
-        )
+    loader = sharding_loader(training_data, mesh, ds_config, collate_fn, shuffle, seed, pad_token_id)
     engine.seqpar_mesh = mesh
     return engine, opt, loader, sched
+
+
+def sharding_loader(
+    dataset: Any,
+    mesh: SeqParMesh,
+    ds_config: dict[str, Any],
+    collate_fn: Callable[..., dict[str, Any]] | None,
+    shuffle: bool,
+    seed: int,
+    pad_token_id: int,
+) -> Any:
+    """The sharding DataLoader over ``dataset`` at the config's micro batch (None without a dataset)."""
+    if dataset is None:
+        return None
+    micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
+    return seqpar_dataloader(
+        dataset, mesh, micro, collate_fn=collate_fn, shuffle=shuffle, seed=seed, pad_token_id=pad_token_id
+    )
 
 
 # The mesh of a SeqParTrainer while it trains: set only inside ``sequence_parallel_scope`` so that

@@ -6,16 +6,25 @@
     trainer = ds_seqpar.SeqParTrainer(model=model, args=args, train_dataset=dataset)
     trainer.train()
 
-What it does on top of ``transformers.Trainer``:
+Any ``Trainer`` subclass gets the same behaviour through :func:`with_sequence_parallel`, e.g. TRL's
+``with_sequence_parallel(SFTTrainer)(model=..., args=SFTConfig(...), train_dataset=...)``.
 
-* reads the ``"sequence_parallel"`` section of ``args.deepspeed``, builds the ``SeqParMesh``, switches
-  the model's attention to ds_seqpar and trains ``SeqParCausalLM(model)`` (SP-group loss, chunked
-  logits) with the gradient factor of the ZeRO stage;
+What it does on top of the base trainer, after the base ``__init__`` has run (so a subclass such as
+TRL's ``SFTTrainer`` prepares its data, collator and arguments first):
+
+* **the DeepSpeed config**: reads the ``"sequence_parallel"`` section of ``args.deepspeed``
+  (``size: "auto"`` and every other ``"auto"`` of the section resolved by ds_seqpar) and removes it
+  from the config that transformers and accelerate process, so their own ``"auto"`` handling never
+  sees it; values that both the JSON and ``TrainingArguments`` own (learning rate, betas, eps,
+  weight decay, clipping, micro batch, accumulation, precision) are reconciled by
+  :func:`reconcile_training_arguments`;
+* builds the ``SeqParMesh``, switches the model's attention to ds_seqpar and trains
+  ``SeqParCausalLM(model)`` (SP-group loss, chunked logits) with the gradient factor of the ZeRO stage;
 * ``get_train_dataloader``: the sharding DataLoader (samples split over dp only; each batch padded,
-  label-shifted and split over the SP ranks);
+  label-shifted and split over the SP ranks) around the trainer's own data collator;
 * ``train``: runs inside ``sequence_parallel_scope(mesh)``, so accelerate's ``deepspeed.initialize``
-  gets ds_seqpar's mpu and a config with ``sequence_parallel_size`` and a dp-based
-  ``train_batch_size``;
+  gets ds_seqpar's mpu and a config with ``sequence_parallel_size`` and a dp-based ``train_batch_size``;
+  every training step runs under ``StepWatch`` (a failing, dead or hung rank is named with its step);
 * saving writes the HF model (``save_pretrained``), not the wrapper.
 
 On CPU pass ``use_cpu=True`` to ``TrainingArguments`` and initialise torch.distributed before creating
@@ -24,62 +33,223 @@ them (``ds_seqpar.integrations.deepspeed.init_distributed()``), as for any DeepS
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 from transformers import Trainer
 
-from ds_seqpar.config import SeqParConfigError, load_config
+from ds_seqpar.comm.step_watch import StepWatch
+from ds_seqpar.config import SECTION, SeqParConfigError, SequenceParallelConfig, load_config, parse_section
 from ds_seqpar.data import seqpar_dataloader
 from ds_seqpar.integrations.deepspeed import init_distributed, sequence_parallel_scope, zero_stage
 from ds_seqpar.integrations.transformers import SeqParCausalLM
 from ds_seqpar.loss import sp_grad_scale
 from ds_seqpar.mesh import SeqParMesh
 
+# DeepSpeed keys that TrainingArguments also sets (transformers' HfTrainerDeepSpeedConfig checks them).
+TRAINER_OWNED_KEYS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("train_micro_batch_size_per_gpu", ("per_device_train_batch_size",)),
+    ("gradient_accumulation_steps", ("gradient_accumulation_steps",)),
+    ("gradient_clipping", ("max_grad_norm",)),
+    ("optimizer.params.lr", ("learning_rate",)),
+    ("optimizer.params.betas", ("adam_beta1", "adam_beta2")),
+    ("optimizer.params.eps", ("adam_epsilon",)),
+    ("optimizer.params.weight_decay", ("weight_decay",)),
+    ("scheduler.params.warmup_max_lr", ("learning_rate",)),
+)
+PRECISION_KEYS = (("fp16.enabled", "fp16"), ("bf16.enabled", "bf16"))
+_SECTION_ATTR = "_ds_seqpar_section"
 
-class SeqParTrainer(Trainer):
-    """``transformers.Trainer`` for causal LMs under sequence parallelism (see the module docstring).
 
-    Args:
-        model: a HuggingFace causal LM.
-        args: ``TrainingArguments`` whose ``deepspeed`` config has a ``"sequence_parallel"`` section.
-        pad_token_id: id used to pad sequences to the layout's multiple.
+def _get(config: dict[str, Any], dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _field_default(args: Any, name: str) -> Any:
+    for f in dataclasses.fields(type(args)):
+        if f.name == name:
+            return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    raise KeyError(name)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def reconcile_training_arguments(args: Any) -> tuple[SequenceParallelConfig, dict[str, Any], list[str]]:
+    """Make ``args`` (processed ``TrainingArguments`` with ``deepspeed=...``) and its config agree.
+
+    Returns ``(section, ds_config, notices)``. In order:
+
+    1. the ``"sequence_parallel"`` section is validated (``"auto"`` values resolved) and removed from
+       ``args.hf_deepspeed_config.config``, the dict transformers and accelerate process;
+    2. a key both sides own (``TRAINER_OWNED_KEYS``) that the JSON sets explicitly and
+       ``TrainingArguments`` leaves at its default is adopted from the JSON, with a notice; when both
+       are set and differ, :class:`SeqParConfigError` names every pair and the fix (write ``"auto"``
+       in the JSON, HF's rule, or make them agree). Precision flags are never adopted: a mismatch
+       raises;
+    3. an explicit ``train_batch_size`` must equal micro batch x accumulation x dp (dp = world / size),
+       not transformers' world-based product; it is then left to ds_seqpar, which sets it per mesh.
+
+    Idempotent: a second call on the same ``args`` returns the section stored by the first.
+    """
+    hf = getattr(args, "hf_deepspeed_config", None)
+    if hf is None:
+        raise SeqParConfigError(
+            "TrainingArguments has no processed DeepSpeed config; valid: TrainingArguments(deepspeed=<path or "
+            "dict with a 'sequence_parallel' section>)"
+        )
+    config: dict[str, Any] = hf.config
+    stored = getattr(args, _SECTION_ATTR, None)
+    if stored is not None and SECTION not in config:
+        section = stored
+        _, ds_config = load_config({**config, SECTION: section.model_dump(exclude_unset=True)})
+    else:
+        section, ds_config = load_config(config)
+        config.pop(SECTION, None)
+        setattr(args, _SECTION_ATTR, section)
+    notices, conflicts = [], []
+    flags = [f for f in ("activation_checkpointing", "gradient_checkpointing") if getattr(args, f, False)]
+    if flags:
+        # transformers would wrap the decoder layers itself; ds_seqpar's own layer checkpointing re-runs
+        # each layer's sequence-parallel exchanges in backward and can offload the saved inputs
+        kwargs = dict(
+            getattr(args, "activation_checkpointing_kwargs", None)
+            or getattr(args, "gradient_checkpointing_kwargs", None)
+            or {}
+        )
+        if kwargs.get("every_n_layers", 1) != 1:
+            raise SeqParConfigError(
+                f"TrainingArguments.activation_checkpointing_kwargs every_n_layers={kwargs['every_n_layers']}: "
+                "ds_seqpar checkpoints every layer; valid: remove every_n_layers"
+            )
+        memory = {**section.memory.model_dump(exclude_unset=True), "activation_checkpointing": True}
+        if kwargs.get("offload"):
+            memory["offload"] = True
+        dumped = section.model_dump(exclude_unset=True)
+        section = parse_section(
+            {**dumped, "memory": memory}, section.size * (section.data_parallel_size or 1)
+        )
+        setattr(args, _SECTION_ATTR, section)
+        for f in flags:
+            setattr(args, f, False)
+        notices.append(
+            f"TrainingArguments.{flags[0]}=True runs as sequence_parallel.memory.activation_checkpointing "
+            f"(ds_seqpar's layer checkpointing{', offloaded' if kwargs.get('offload') else ''}); the Trainer's "
+            "own wrapper is switched off"
+        )
+    for key, fields in TRAINER_OWNED_KEYS:
+        ds_val = _get(config, key)
+        hf_val = [getattr(args, f) for f in fields]
+        hf_val = hf_val[0] if len(fields) == 1 else hf_val
+        if ds_val is None or ds_val == "auto" or _same(ds_val, hf_val):
+            continue
+        defaults = [_field_default(args, f) for f in fields]
+        if _same(hf_val, defaults[0] if len(fields) == 1 else defaults):
+            values = ds_val if len(fields) > 1 else [ds_val]
+            if len(values) != len(fields):
+                conflicts.append(
+                    f"{key}={ds_val!r} needs {len(fields)} values for TrainingArguments {fields}"
+                )
+                continue
+            for f, v in zip(fields, values):
+                setattr(args, f, v)
+            notices.append(
+                f"TrainingArguments.{'+'.join(fields)} follows the DeepSpeed config's {key}={ds_val!r} "
+                f'(TrainingArguments had its default {hf_val!r}; write "auto" there to use TrainingArguments)'
+            )
+        else:
+            conflicts.append(
+                f"{key}={ds_val!r} in the DeepSpeed config vs TrainingArguments.{'+'.join(fields)}={hf_val!r}"
+            )
+    for key, flag in PRECISION_KEYS:
+        ds_val = _get(config, key)
+        hf_val = bool(getattr(args, flag) or getattr(args, f"{flag}_full_eval"))
+        if isinstance(ds_val, bool) and ds_val != hf_val:
+            conflicts.append(f"{key}={ds_val} in the DeepSpeed config vs TrainingArguments.{flag}={hf_val}")
+    micro, gas = int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps)
+    explicit_batch = config.pop("train_batch_size", None)
+    world = dist.get_world_size() if dist.is_initialized() else args.world_size
+    dp = world // section.size
+    if explicit_batch not in (None, "auto") and explicit_batch != micro * gas * dp:
+        conflicts.append(
+            f"train_batch_size={explicit_batch} in the DeepSpeed config vs micro batch {micro} x accumulation {gas} "
+            f"x dp {dp} = {micro * gas * dp} (dp = world {world} / sequence_parallel.size {section.size})"
+        )
+    if conflicts:
+        raise SeqParConfigError(
+            "the DeepSpeed config and TrainingArguments disagree: "
+            + "; ".join(conflicts)
+            + '; valid: write "auto" for these keys in the JSON (transformers fills them from TrainingArguments), '
+            "or set the same values on both sides"
+        )
+    hf.mismatches.clear()
+    hf.trainer_config_process(args)  # re-check with the adopted values; fills nothing that is set
+    if hf.mismatches:
+        raise SeqParConfigError(
+            "the DeepSpeed config and TrainingArguments disagree:\n" + "\n".join(hf.mismatches)
+        )
+    return section, ds_config, notices
+
+
+class SeqParTrainerMixin:
+    """The sequence-parallel behaviour of :class:`SeqParTrainer`, for any ``transformers.Trainer`` subclass.
+
+    Args (on top of the base trainer's):
+        pad_token_id: id used to pad sequences to the layout's multiple (default: the processing
+            class's pad token, else 0).
         loss_chunk_size: tokens per logits chunk in the loss.
-        Everything else goes to ``Trainer``.
     """
 
     def __init__(
         self,
-        model: torch.nn.Module,
-        args: Any,
         *trainer_args: Any,
-        pad_token_id: int = 0,
+        pad_token_id: int | None = None,
         loss_chunk_size: int = 1024,
         **trainer_kwargs: Any,
     ) -> None:
+        args = trainer_kwargs.get("args", trainer_args[1] if len(trainer_args) > 1 else None)
         if args is None or not getattr(args, "deepspeed", None):
             raise SeqParConfigError(
-                "SeqParTrainer needs TrainingArguments(deepspeed=<config with a 'sequence_parallel' section>), "
-                "e.g. deepspeed='ds_configs/usp_zero3.json'"
+                f"{type(self).__name__} needs TrainingArguments(deepspeed=<config with a 'sequence_parallel' "
+                "section>), e.g. deepspeed='ds_configs/usp_zero3.json'"
             )
-        section, ds_config = load_config(args.deepspeed)
         init_distributed()
+        super().__init__(*trainer_args, **trainer_kwargs)
+        section, ds_config, notices = reconcile_training_arguments(self.args)
+        if dist.get_rank() == 0:
+            for line in notices:
+                print(f"ds_seqpar: {line}", flush=True)
+        model = self.model
         self.seqpar_mesh = SeqParMesh.from_config(section, getattr(model, "config", None))
-        self.seqpar_pad_token_id = pad_token_id
+        if pad_token_id is None:
+            pad_token_id = getattr(getattr(self, "processing_class", None), "pad_token_id", None)
+        self.seqpar_pad_token_id = 0 if pad_token_id is None else int(pad_token_id)
         wrapped = SeqParCausalLM(
             model,
             self.seqpar_mesh,
             grad_scale=sp_grad_scale(zero_stage(ds_config), self.seqpar_mesh.sp_size),
             loss_chunk_size=loss_chunk_size,
         )
-        super().__init__(wrapped, args, *trainer_args, **trainer_kwargs)
+        self.model = self.model_wrapped = wrapped
         # the loss is already the SP group's token mean: let the Trainer divide by grad accumulation
         self.model_accepts_loss_kwargs = False
+        self.seqpar_watch: StepWatch | None = None
 
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
-            raise ValueError("SeqParTrainer: training requires a train_dataset")
+            raise ValueError(f"{type(self).__name__}: training requires a train_dataset")
         return seqpar_dataloader(
             self.train_dataset,
             self.seqpar_mesh,
@@ -104,9 +274,21 @@ class SeqParTrainer(Trainer):
         loss = model(**inputs)
         return (loss, None) if return_outputs else loss
 
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The base step (forward, backward, DeepSpeed's optimizer step) under ``StepWatch``."""
+        if self.seqpar_watch is None:
+            return super().training_step(*args, **kwargs)
+        with self.seqpar_watch.step(self.state.global_step + 1):
+            return super().training_step(*args, **kwargs)
+
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        with sequence_parallel_scope(self.seqpar_mesh):
-            return super().train(*args, **kwargs)
+        self.seqpar_watch = StepWatch()
+        try:
+            with sequence_parallel_scope(self.seqpar_mesh):
+                return super().train(*args, **kwargs)
+        finally:
+            self.seqpar_watch.close()
+            self.seqpar_watch = None
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Save the wrapped HF model with ``save_pretrained`` (the wrapper's ``model.`` prefix removed)."""
@@ -116,3 +298,23 @@ class SeqParTrainer(Trainer):
             state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
         if self.args.should_save:
             inner.save_pretrained(output_dir, state_dict=state_dict)
+
+
+@functools.cache
+def with_sequence_parallel(trainer_class: type) -> type:
+    """``trainer_class`` (a ``transformers.Trainer`` subclass, e.g. TRL's ``SFTTrainer``) with sequence parallelism.
+
+    ``with_sequence_parallel(SFTTrainer)(model=..., args=SFTConfig(deepspeed=...), ...)`` is the one-line
+    change; the returned class is cached, so repeated calls give the same class.
+    """
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
+        raise TypeError(
+            f"with_sequence_parallel() takes a transformers.Trainer subclass; got {trainer_class!r}"
+        )
+    if issubclass(trainer_class, SeqParTrainerMixin):
+        return trainer_class
+    return type(f"SeqPar{trainer_class.__name__}", (SeqParTrainerMixin, trainer_class), {})
+
+
+class SeqParTrainer(SeqParTrainerMixin, Trainer):
+    """``transformers.Trainer`` for causal LMs under sequence parallelism (see the module docstring)."""

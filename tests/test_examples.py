@@ -1,0 +1,112 @@
+"""The example scripts (examples/*.py) with the shipped DeepSpeed configs, unmodified.
+
+Each script runs once through its real launcher (torchrun, accelerate launch) and, for the config
+sweep, through its ``main`` inside this module's pool of 4 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import run_launcher
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+VENV_BIN = Path(sys.executable).parent
+# every shipped config is for 4 ranks; linear_scan's section only changes linear-attention layers,
+# which the tiny Llama of the examples does not have, so it runs like usp there
+CONFIGS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "ds_configs").glob("*.json"))
+
+
+def load_example(name: str) -> ModuleType:
+    """``examples/<name>.py`` as a module (the examples import their sibling ``common``)."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def first_losses(out_dir: str) -> tuple[float, float]:
+    """The first-step loss of examples/trainer.py and of ds_seqpar.initialize on the same model and batch.
+
+    ``initialize`` runs first: after a Trainer with a ZeRO-3 config, transformers builds new models under
+    ``deepspeed.zero.Init``, which draws the random init in another order.
+    """
+    common = load_example("common")
+    import ds_seqpar
+
+    model = common.load_model(None, 0)
+    dataset = common.passkey_dataset(common.load_tokenizer(None), 512, 0)
+    engine, _, loader, _ = ds_seqpar.initialize(
+        model=model, config=str(common.DEFAULT_CONFIG), training_data=dataset, seed=0
+    )
+    initialize_loss = engine(**next(iter(loader))).item()
+    trainer_loss = load_example("trainer").main(["--max-steps", "1", "--output-dir", out_dir])[0]
+    return trainer_loss, initialize_loss
+
+
+def test_trainer_example_first_loss_equals_initialize(dist_pool, tmp_path):
+    for trainer_loss, initialize_loss in dist_pool(4).run(first_losses, str(tmp_path / "trainer")):
+        assert math.isfinite(trainer_loss)
+        assert abs(trainer_loss - initialize_loss) <= 1e-6 * abs(initialize_loss), (
+            trainer_loss,
+            initialize_loss,
+        )
+
+
+def sweep(name: str, configs: list[str], out_dir: str) -> dict[str, list[float]]:
+    example = load_example(name)
+    results = {}
+    for config in configs:
+        out = f"{out_dir}/{Path(config).stem}"
+        results[config] = example.main(
+            ["--ds_config", config, "--max-steps", "2", "--seq-len", "256", "--output-dir", out]
+        )
+        dist.barrier()
+    return results
+
+
+@pytest.mark.parametrize("name", ["trainer", "sft_trl", "lora"])
+def test_example_runs_with_every_shipped_config(dist_pool, tmp_path, name):
+    for results in dist_pool(4).run(sweep, name, CONFIGS, str(tmp_path), timeout=900):
+        assert sorted(results) == CONFIGS
+        for config, losses in results.items():
+            assert len(losses) == 2 and torch.isfinite(torch.tensor(losses)).all(), (config, losses)
+
+
+def _launch_losses(done, marker: str) -> list[float]:
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    lines = [line for line in out.splitlines() if line.startswith(marker)]
+    assert len(lines) == 1, out[-4000:]  # printed once (rank 0), not once per rank
+    losses = [float(x) for x in lines[0].split("losses [", 1)[1].split("]", 1)[0].split(",")]
+    assert torch.isfinite(torch.tensor(losses)).all(), lines
+    return losses
+
+
+@pytest.mark.parametrize("name", ["trainer", "sft_trl", "lora"])
+def test_example_runs_under_torchrun(tmp_path, name):
+    cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "4", f"examples/{name}.py",
+           "--ds_config", "ds_configs/usp_zero3.json", "--max-steps", "2", "--output-dir", str(tmp_path)]  # fmt: skip
+    assert len(_launch_losses(run_launcher(cmd, cwd=str(ROOT)), f"examples/{name}.py: 2 steps")) == 2
+
+
+@pytest.mark.parametrize(
+    "config",
+    ["ds_configs/usp_zero3.json", pytest.param("ds_configs/ring_zigzag_zero3.json", marks=pytest.mark.slow)],
+)
+def test_accelerate_loop_runs_under_accelerate_launch(tmp_path, config):
+    cmd = [str(VENV_BIN / "accelerate"), "launch", "--num_processes", "4", "--use_deepspeed",
+           "--deepspeed_config_file", config, "examples/accelerate_loop.py", "--max-steps", "2"]  # fmt: skip
+    done = run_launcher(cmd, cwd=str(ROOT))
+    assert len(_launch_losses(done, "examples/accelerate_loop.py: 2 steps")) == 2
