@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -23,6 +24,7 @@ EXAMPLES = ROOT / "examples"
 VENV_BIN = Path(sys.executable).parent
 # every shipped config is for 4 ranks; linear_scan's section only changes linear-attention layers,
 # which the tiny Llama of the examples does not have, so it runs like usp there
+ACCELERATE_ENV = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_CONFIG_FILE")
 CONFIGS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "ds_configs").glob("*.json"))
 
 
@@ -79,6 +81,39 @@ def sweep(name: str, configs: list[str], out_dir: str) -> dict[str, list[float]]
 @pytest.mark.parametrize("name", ["trainer", "sft_trl", "lora"])
 def test_example_runs_with_every_shipped_config(dist_pool, tmp_path, name):
     for results in dist_pool(4).run(sweep, name, CONFIGS, str(tmp_path), timeout=900):
+        assert sorted(results) == CONFIGS
+        for config, losses in results.items():
+            assert len(losses) == 2 and torch.isfinite(torch.tensor(losses)).all(), (config, losses)
+
+
+def accelerate_sweep(configs: list[str], out_dir: str) -> dict[str, list[float]]:
+    """examples/accelerate_loop.py's main per config, with the environment ``accelerate launch
+    --use_deepspeed --deepspeed_config_file CONFIG`` gives it (accelerate's state reset in between)."""
+    from accelerate.state import AcceleratorState
+
+    example = load_example("accelerate_loop")
+    saved = {k: os.environ.get(k) for k in ACCELERATE_ENV}
+    results = {}
+    try:
+        for config in configs:
+            os.environ.update(
+                ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=str(ROOT / config)
+            )
+            AcceleratorState._reset_state(True)
+            results[config] = example.main(["--max-steps", "2", "--seq-len", "256", "--output-dir", out_dir])
+            dist.barrier()
+    finally:
+        AcceleratorState._reset_state(True)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return results
+
+
+def test_accelerate_loop_runs_with_every_shipped_config(dist_pool, tmp_path):
+    for results in dist_pool(4).run(accelerate_sweep, CONFIGS, str(tmp_path), timeout=900):
         assert sorted(results) == CONFIGS
         for config, losses in results.items():
             assert len(losses) == 2 and torch.isfinite(torch.tensor(losses)).all(), (config, losses)
