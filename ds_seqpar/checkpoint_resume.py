@@ -38,7 +38,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ds_seqpar.config import SeqParConfigError
+
 UNIVERSAL_SUFFIX = "_universal"
+
+
+def _conversion_is_current(source: Path, target: Path) -> bool:
+    """A complete conversion of ``source`` made after its newest file (a later save into the same tag,
+    e.g. a new run in the same --output-dir, makes it stale and it is converted again)."""
+    if not ((target / "zero" / "optimizer_state.pt").is_file() and any(target.glob("*_model_states.pt"))):
+        return False
+    newest_source = max((f.stat().st_mtime for f in source.rglob("*") if f.is_file()), default=0.0)
+    return (target / "zero" / "optimizer_state.pt").stat().st_mtime >= newest_source
+
+
 CLIENT_KEY = "ds_seqpar"
 
 
@@ -193,7 +206,7 @@ def prepare_resume(
     outcome: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            if (target / "zero" / "optimizer_state.pt").is_file() and any(target.glob("*_model_states.pt")):
+            if _conversion_is_current(Path(ckpt_dir) / tag, target):
                 outcome[0] = ("reused", 0.0)
             else:
                 outcome[0] = ("converted", convert_to_universal(Path(ckpt_dir) / tag, target))
@@ -205,7 +218,7 @@ def prepare_resume(
     dist.broadcast_object_list(outcome, src=0, device=device)
     kind, detail = outcome[0]
     if kind == "error":
-        raise RuntimeError(
+        raise SeqParConfigError(
             f"--resume: {Path(ckpt_dir) / tag} was saved by {saved} ranks, this run has {world}, and "
             f"converting it to a universal checkpoint failed: {detail}\nResume on {saved} ranks to load it "
             "as saved (docs/train.md, 'Resuming on a different number of ranks')"

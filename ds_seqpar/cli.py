@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from ds_seqpar.config import SeqParConfigError, load_config, parse_section
+from ds_seqpar.config import MissingFileError, SeqParConfigError, load_config, parse_section
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = REPO / "assets" / "tiny-llama"
@@ -211,6 +211,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if path is not None and not os.path.exists(path):
             parser.error(f"--{name} {path!r} does not exist")
     section, ds_config = load_config(args.ds_config)
+    gas = ds_config.get("gradient_accumulation_steps", 1)
+    if gas != 1:  # each loop iteration is one micro batch; --max-steps, metrics and the monitor count steps
+        raise SeqParConfigError(
+            f"{args.ds_config}: gradient_accumulation_steps={gas!r}: train.py runs one micro batch per optimizer "
+            "step; valid: gradient_accumulation_steps=1 (raise train_micro_batch_size_per_gpu instead), or use "
+            "SeqParTrainer / ds_seqpar.initialize for accumulation"
+        )
     if args.sp_size is not None:
         section = _with_size(section, args.sp_size, parser)
         if "sequence_parallel_size" in ds_config:  # DeepSpeed's own key follows the override
@@ -601,7 +608,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if resume is not None:
         path, client = engine.load_checkpoint(str(ckpt_dir), tag=resume.tag)
         if path is None:
-            raise FileNotFoundError(f"--resume: no checkpoint under {ckpt_dir}; run without --resume first")
+            raise MissingFileError(f"--resume: no checkpoint under {ckpt_dir}; run without --resume first")
         start = int(client["step"])
         history = resumed_history(client, start, micro * dp)
         if args.data is None and history.samples(0, args.max_steps) > args.max_steps * micro * dp:

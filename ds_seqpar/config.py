@@ -61,6 +61,10 @@ class SeqParConfigError(ValueError):
     """A ``sequence_parallel`` setting is invalid; the message names the key and a fix."""
 
 
+class MissingFileError(SeqParConfigError, FileNotFoundError):
+    """A path the user gave (config, data, checkpoint) does not exist; the message names it and the fix."""
+
+
 def divisors(n: int) -> list[int]:
     """All positive divisors of ``n`` in increasing order."""
     return [d for d in range(1, n + 1) if n % d == 0]

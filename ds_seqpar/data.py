@@ -37,7 +37,8 @@ IGNORE_INDEX = -100
 BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 # What padding-free collators (TRL's DataCollatorForLanguageModeling) add next to position_ids: the same
 # document boundaries in the forms flash-attention's varlen kernels and short convolutions take.
-# shard_batch derives the boundaries from position_ids; these are checked against them and dropped.
+# shard_batch derives the boundaries from position_ids; these are checked against them (_check_packed_boundaries)
+# and dropped.
 PACKED_BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
@@ -135,7 +136,12 @@ def shard_batch(
 
 
 def _check_packed_boundaries(batch: dict[str, Any]) -> None:
-    """``cu_seq_lens_*`` of a padding-free batch must be the document starts that ``position_ids`` gives."""
+    """The boundary keys of a padding-free batch must describe the documents that ``position_ids`` gives.
+
+    Documents start wherever the position drops (``doc_ids_from_positions``); ``cu_seq_lens_*`` must be
+    those starts (and the row's end), ``max_length_*`` the longest document, ``seq_idx`` the document id
+    of every token. They describe one packed row, so the batch must have one row.
+    """
     present = [k for k in PACKED_BOUNDARY_KEYS if k in batch]
     if not present:
         return
@@ -146,15 +152,25 @@ def _check_packed_boundaries(batch: dict[str, Any]) -> None:
             "position_ids restarting at 0 per document (what padding-free collators also return)"
         )
     positions = torch.as_tensor(positions)
-    starts = (positions[0] == 0).nonzero().flatten()
-    expected = torch.cat([starts, torch.tensor([positions.shape[-1]])])
-    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
-        if key in batch and (
-            positions.shape[0] != 1
-            or not torch.equal(torch.as_tensor(batch[key]).long().cpu(), expected.cpu())
-        ):
+    if positions.dim() != 2 or positions.shape[0] != 1:
+        raise ValueError(
+            f"batch keys {present} describe one packed row, but position_ids has shape {tuple(positions.shape)}; "
+            "valid: a padding-free batch of shape [1, S]"
+        )
+    docs = doc_ids_from_positions(positions)[0]
+    starts = torch.nonzero(torch.diff(docs, prepend=docs.new_tensor([-1]))).flatten()
+    lengths = torch.diff(torch.cat([starts, starts.new_tensor([docs.numel()])]))
+    expected = {
+        "cu_seq_lens_q": torch.cat([starts, starts.new_tensor([docs.numel()])]),
+        "max_length_q": lengths.max(),
+        "seq_idx": docs[None],
+    }
+    expected["cu_seq_lens_k"], expected["max_length_k"] = expected["cu_seq_lens_q"], expected["max_length_q"]
+    for key in present:
+        value = torch.as_tensor(batch[key]).long().cpu()
+        if value.shape != expected[key].shape or not torch.equal(value, expected[key].long().cpu()):
             raise ValueError(
-                f"{key} does not match the document starts of position_ids (position 0 at {starts.tolist()}); "
+                f"{key} does not match the documents of position_ids (documents start at {starts.tolist()}); "
                 "ds_seqpar takes packed documents from position_ids: make the two agree or drop the key"
             )
 
@@ -192,13 +208,14 @@ def seqpar_dataloader(
     seed: int = 0,
     pad_token_id: int = 0,
     drop_last: bool = True,
+    **loader_kwargs: Any,
 ) -> DataLoader:
     """A DataLoader over ``dataset`` for this rank: dp-sharded sampling, SP-sharded sequences.
 
     The sampler splits samples over the ``mesh.dp_size`` data-parallel replicas (rank =
     ``mesh.coords.dp_rank``), so all SP ranks of one group read the same samples; each batch is
     then sharded along the sequence by ``SeqParCollator``. Call ``loader.sampler.set_epoch(e)``
-    each epoch when shuffling.
+    each epoch when shuffling. ``loader_kwargs`` (``num_workers``, ``pin_memory``, ...) go to the DataLoader.
     """
     sampler = DistributedSampler(
         dataset,
@@ -214,4 +231,5 @@ def seqpar_dataloader(
         sampler=sampler,
         collate_fn=SeqParCollator(mesh, collate_fn, pad_token_id),
         drop_last=drop_last,
+        **loader_kwargs,
     )

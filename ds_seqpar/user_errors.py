@@ -1,7 +1,7 @@
 """Report an expected user error once per job, as the last lines of the output, without a traceback.
 
 A configuration or input error (a bad key, a model feature ds_seqpar refuses, a missing file, an
-unusable flag) is found identically on every rank, before any collective. Printed by every rank with
+unusable flag, a failed step whose rank is named) is found identically on every rank, before any collective. Printed by every rank with
 its traceback it would appear N times, buried above the launcher's failure report. Instead
 :func:`run_main` catches the errors in ``USER_ERRORS`` and:
 
@@ -9,11 +9,13 @@ its traceback it would appear N times, buried above the launcher's failure repor
   reports it and exits with code 2; every other rank exits with code 0 at once, quietly, so the
   launcher's summary names one failed rank;
 * under ``torchrun`` the report goes into torchrun's error file (``TORCHELASTIC_ERROR_FILE``), which
-  torchrun prints as the ``traceback`` line at the end of its failure summary; under other launchers
-  (DeepSpeed's, ``accelerate launch``, a single process) it goes to stderr;
+  torchrun prints as the ``traceback`` line at the end of its failure summary (so does a multi-process
+  ``accelerate launch``, which runs torch elastic); under DeepSpeed's launcher and in a single process
+  it goes to stderr;
 * ``DS_SEQPAR_DEBUG=1`` re-raises instead, with the full traceback on every rank.
 
-Anything else (a bug, an out-of-memory error) propagates unchanged, with its traceback.
+Anything else (a bug, an out-of-memory error) propagates unchanged, with its traceback; inside a
+training step (``StepFailed``) the cause's traceback is part of the one report.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -45,7 +48,6 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     UnsupportedModelError,
     LayoutError,
     StepFailed,
-    FileNotFoundError,
 )
 
 
@@ -56,7 +58,10 @@ def _job_key() -> str:
         started = int(os.stat(f"/proc/{ppid}").st_ctime)
     except OSError:
         started = 0
-    return f"{ppid}-{started}-{os.environ.get('MASTER_PORT', '')}"
+    launcher = "-".join(
+        os.environ.get(k, "") for k in ("MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+    )
+    return f"{ppid}-{started}-{launcher}"
 
 
 def _claim_report() -> bool:
@@ -75,11 +80,19 @@ def _claim_report() -> bool:
 
 
 def format_report(exc: BaseException) -> str:
-    """The lines a user sees: the error's kind and its message (which names the value and the fix)."""
+    """The lines a user sees: the error's kind and its message (which names the value and the fix).
+
+    A ``StepFailed`` whose cause is not itself a user error (a bug, out of memory) keeps the cause's
+    traceback above the step's diagnosis.
+    """
     text = str(exc).strip() or type(exc).__name__
     if isinstance(exc, UsageError):
         return text
-    return f"ds_seqpar: error ({type(exc).__name__}): {text}"
+    report = f"ds_seqpar: error ({type(exc).__name__}): {text}"
+    cause = exc.__cause__
+    if isinstance(exc, StepFailed) and cause is not None and not isinstance(cause, USER_ERRORS):
+        report = "".join(traceback.format_exception(cause)).rstrip() + "\n" + report
+    return report + f"\n(set {DEBUG_ENV}=1 for the full traceback on every rank)"
 
 
 def report(exc: BaseException) -> NoReturn:

@@ -3,7 +3,7 @@
     .venv/bin/accelerate launch --num_processes 4 --use_deepspeed \\
         --deepspeed_config_file ds_configs/usp_zero3.json examples/accelerate_loop.py
 
-(on CPU add ``--cpu`` and set ``OMP_NUM_THREADS=1``). The ``"sequence_parallel"`` section of the JSON
+(on CPU set ``OMP_NUM_THREADS=1`` and do not pass ``--cpu``: accelerate refuses it with ``--use_deepspeed``). The ``"sequence_parallel"`` section of the JSON
 that accelerate's plugin carries configures ds_seqpar; ``ds_seqpar.accelerate_prepare`` replaces
 ``accelerator.prepare``. Leave accelerate's own ``ParallelismConfig`` SP/CP sizes unset.
 """
@@ -13,16 +13,22 @@ from __future__ import annotations
 import sys
 
 from accelerate import Accelerator
-from common import example_parser, load_model, load_tokenizer, passkey_dataset, report_losses
+from common import (
+    example_parser,
+    load_model,
+    load_tokenizer,
+    passkey_dataset,
+    report_losses,
+    start_distributed,
+)
 
 import ds_seqpar
-from ds_seqpar.integrations.deepspeed import init_distributed
 
 
 def main(argv: list[str] | None = None) -> list[float]:
     """Train ``--max-steps`` steps; returns the loss of every step."""
     args = example_parser(__doc__.splitlines()[0], "outputs/example_accelerate").parse_args(argv)
-    init_distributed()  # gloo on CPU, without DeepSpeed's JIT-built shared-memory op (NCCL on GPU)
+    start_distributed(args.ds_config)  # before TrainingArguments / Accelerator; the launcher's environment
     accelerator = Accelerator()  # the DeepSpeed plugin comes from `accelerate launch --use_deepspeed ...`
     model = load_model(args.model, args.seed)
     dataset = passkey_dataset(load_tokenizer(args.model), args.seq_len, args.seed)

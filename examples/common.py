@@ -77,3 +77,15 @@ def trainer_arguments(args: argparse.Namespace) -> dict[str, object]:
         "use_cpu": not torch.cuda.is_available(),
         "disable_tqdm": True,
     }
+
+
+def start_distributed(config_path: str) -> None:
+    """torch.distributed for the run (gloo on CPU, NCCL on GPU), with the config's ``fault_timeout_s``.
+
+    On CPU it must exist before ``TrainingArguments`` / ``Accelerator`` are created, which would
+    otherwise start a process group of their own (with their own timeout).
+    """
+    import ds_seqpar
+    from ds_seqpar.integrations.deepspeed import init_distributed
+
+    init_distributed(ds_seqpar.load_config(config_path)[0].fault_timeout_s)

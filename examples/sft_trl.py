@@ -14,12 +14,18 @@ from __future__ import annotations
 import sys
 
 import torch
-from common import example_parser, load_model, load_tokenizer, report_losses, trainer_arguments
+from common import (
+    example_parser,
+    load_model,
+    load_tokenizer,
+    report_losses,
+    start_distributed,
+    trainer_arguments,
+)
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
 import ds_seqpar
-from ds_seqpar.integrations.deepspeed import init_distributed
 
 
 def documents(tokenizer: object, count: int, seed: int) -> Dataset:
@@ -36,7 +42,7 @@ def documents(tokenizer: object, count: int, seed: int) -> Dataset:
 def main(argv: list[str] | None = None) -> list[float]:
     """Train; returns the logged loss of every step."""
     args = example_parser(__doc__.splitlines()[0], "outputs/example_sft_trl").parse_args(argv)
-    init_distributed()  # before SFTConfig on CPU (gloo); reads the launcher's environment
+    start_distributed(args.ds_config)  # before TrainingArguments / Accelerator; the launcher's environment
     tokenizer = load_tokenizer(args.model)
     config = SFTConfig(
         **trainer_arguments(args),

@@ -19,18 +19,18 @@ from common import (
     load_tokenizer,
     passkey_dataset,
     report_losses,
+    start_distributed,
     trainer_arguments,
 )
 from transformers import TrainingArguments
 
 import ds_seqpar
-from ds_seqpar.integrations.deepspeed import init_distributed
 
 
 def main(argv: list[str] | None = None) -> list[float]:
     """Train; returns the logged loss of every step."""
     args = example_parser(__doc__.splitlines()[0], "outputs/example_trainer").parse_args(argv)
-    init_distributed()  # before TrainingArguments on CPU (gloo); reads the launcher's environment
+    start_distributed(args.ds_config)  # before TrainingArguments / Accelerator; the launcher's environment
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, args.seed)
     training_args = TrainingArguments(**trainer_arguments(args))

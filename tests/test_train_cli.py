@@ -73,6 +73,13 @@ def test_bad_config_fails_before_any_process_group(tmp_path, monkeypatch):
         main(["--ds_config", str(path)])
     with pytest.raises(SeqParConfigError, match=r"'missing\.json' does not exist"):
         main(["--ds_config", "missing.json"])
+    config["gradient_accumulation_steps"] = 2
+    path.write_text(json.dumps(config))
+    with pytest.raises(
+        SeqParConfigError, match=r"gradient_accumulation_steps=2: train.py runs one micro batch"
+    ):
+        main(["--ds_config", str(path)])
+    config["gradient_accumulation_steps"] = 1
     config["sequence_parallel"].update(size=4, ulysses_degree=8)
     path.write_text(json.dumps(config))
     with pytest.raises(SeqParConfigError, match=r"ulysses_degree=8 does not divide size=4"):
@@ -410,11 +417,9 @@ def test_debug_shows_the_traceback(tmp_path):
     root = str(DEFAULT_CONFIG.parent.parent)
     quiet, debug = run_launcher(cmd, cwd=root), run_launcher(cmd, cwd=root, env={"DS_SEQPAR_DEBUG": "1"})
     assert quiet.returncode == 2 and "Traceback" not in quiet.stderr
-    assert (
-        quiet.stderr.strip()
-        .splitlines()[-1]
-        .startswith("ds_seqpar: error (SeqParConfigError): sequence_parallel.sise")
-    )
+    last = quiet.stderr.strip().splitlines()[-2:]
+    assert last[0].startswith("ds_seqpar: error (SeqParConfigError): sequence_parallel.sise"), last
+    assert last[1] == "(set DS_SEQPAR_DEBUG=1 for the full traceback on every rank)"
     assert debug.returncode == 1 and "Traceback" in debug.stderr and "sequence_parallel.sise" in debug.stderr
 
 

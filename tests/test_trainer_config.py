@@ -100,8 +100,93 @@ def test_trl_padding_free_batches_are_documents():
         doc_ids_from_positions(batch["position_ids"]), torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2]])
     )
     _check_packed_boundaries(batch)  # consistent: accepted (and dropped by shard_batch)
-    bad = {**batch, "cu_seq_lens_q": torch.tensor([0, 5, 10], dtype=torch.int32)}
-    with pytest.raises(ValueError, match=r"cu_seq_lens_q does not match the document starts of position_ids"):
-        _check_packed_boundaries(bad)
+    assert {"cu_seq_lens_q", "max_length_q", "seq_idx"} <= set(batch)
+    for key, value in (
+        ("cu_seq_lens_q", torch.tensor([0, 5, 10], dtype=torch.int32)),
+        ("max_length_k", 3),
+        ("seq_idx", torch.zeros(1, 10, dtype=torch.int32)),
+    ):
+        with pytest.raises(ValueError, match=rf"{key} does not match the documents of position_ids"):
+            _check_packed_boundaries({**batch, key: value})
+    two_rows = {**batch, "position_ids": batch["position_ids"].expand(2, -1)}
+    with pytest.raises(ValueError, match=r"describe one packed row, but position_ids has shape \(2, 10\)"):
+        _check_packed_boundaries(two_rows)
     with pytest.raises(ValueError, match=r"shard_batch got batch keys \['token_type_ids'\]"):
         shard_batch({**batch, "token_type_ids": torch.zeros_like(batch["input_ids"])}, mesh=None)
+
+
+def test_auto_keys_are_refilled_after_adoption(tmp_path):
+    """ "train_batch_size": "auto" and an "auto" warmup_max_lr next to an explicit lr: both follow."""
+    config = copy.deepcopy(SHIPPED)
+    config["train_batch_size"] = "auto"
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_max_lr": "auto", "warmup_num_steps": 1}}
+    args = _args(tmp_path, config)
+    reconcile_training_arguments(args)
+    hf = args.hf_deepspeed_config.config
+    assert "train_batch_size" not in hf  # ds_seqpar sets it over dp when DeepSpeed starts
+    assert args.learning_rate == 1e-4 and hf["scheduler"]["params"]["warmup_max_lr"] == 1e-4
+
+
+def test_unhonoured_trainer_arguments_raise_by_name(tmp_path):
+    from ds_seqpar.integrations.trainer import _refuse_unhonoured_arguments
+
+    args = _args(
+        tmp_path, SHIPPED, train_sampling_strategy="group_by_length", eval_strategy="steps", eval_steps=1
+    )
+    with pytest.raises(
+        SeqParConfigError,
+        match=r"train_sampling_strategy='group_by_length' .*; eval_strategy='steps' with an eval_dataset",
+    ):
+        _refuse_unhonoured_arguments(args, eval_dataset=[0])
+    _refuse_unhonoured_arguments(_args(tmp_path, SHIPPED), eval_dataset=[0])  # eval_strategy "no": fine
+
+
+def test_a_failed_step_keeps_the_traceback_of_a_bug():
+    from ds_seqpar.comm.step_watch import StepFailed
+    from ds_seqpar.user_errors import format_report
+
+    def bug():
+        raise KeyError("lost")
+
+    try:
+        try:
+            bug()
+        except KeyError as exc:
+            raise StepFailed("step 3 failed on rank 1 (KeyError: 'lost')") from exc
+    except StepFailed as failed:
+        text = format_report(failed)
+    assert (
+        "Traceback" in text
+        and "in bug" in text
+        and text.splitlines()[-2].startswith("ds_seqpar: error (StepFailed)")
+    )
+    user = StepFailed("step 1 failed on rank 0")
+    user.__cause__ = SeqParConfigError("sequence_parallel.size=3 ...")
+    assert "Traceback" not in format_report(user)
+
+
+def test_the_report_lock_is_per_launch_attempt(monkeypatch):
+    from ds_seqpar.user_errors import _job_key
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    first = _job_key()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert _job_key() != first  # a torchrun restart reports its own error again
+
+
+def test_a_universal_conversion_older_than_its_checkpoint_is_stale(tmp_path):
+    import os
+
+    from ds_seqpar.checkpoint_resume import _conversion_is_current
+
+    source, target = tmp_path / "step2", tmp_path / "step2_universal"
+    (source).mkdir()
+    (target / "zero").mkdir(parents=True)
+    (source / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (target / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (target / "zero" / "optimizer_state.pt").write_bytes(b"x")
+    os.utime(source / "mp_rank_00_model_states.pt", (1000, 1000))
+    assert _conversion_is_current(source, target)
+    os.utime(source / "mp_rank_00_model_states.pt", None)  # saved again after the conversion
+    os.utime(target / "zero" / "optimizer_state.pt", (1000, 1000))
+    assert not _conversion_is_current(source, target)

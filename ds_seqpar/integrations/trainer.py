@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from typing import Any
 
 import torch
@@ -72,6 +73,22 @@ def _get(config: dict[str, Any], dotted: str) -> Any:
             return None
         node = node[part]
     return node
+
+
+def _set(config: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    node = config
+    for part in parents:
+        node = node[part]
+    node[last] = value
+
+
+def _raw_config(deepspeed: Any) -> dict[str, Any]:
+    """The DeepSpeed JSON as the user wrote it (transformers has replaced its "auto" values since)."""
+    if isinstance(deepspeed, dict):
+        return deepspeed
+    with open(deepspeed, encoding="utf-8") as fh:
+        return json.load(fh)
 
 
 def _field_default(args: Any, name: str) -> Any:
@@ -119,6 +136,8 @@ def reconcile_training_arguments(args: Any) -> tuple[SequenceParallelConfig, dic
         section, ds_config = load_config(config)
         config.pop(SECTION, None)
         setattr(args, _SECTION_ATTR, section)
+    raw = _raw_config(args.deepspeed)
+    was_auto = {key for key, _ in TRAINER_OWNED_KEYS if _get(raw, key) == "auto"}
     notices, conflicts = [], []
     flags = [f for f in ("activation_checkpointing", "gradient_checkpointing") if getattr(args, f, False)]
     if flags:
@@ -150,6 +169,8 @@ def reconcile_training_arguments(args: Any) -> tuple[SequenceParallelConfig, dic
             "own wrapper is switched off"
         )
     for key, fields in TRAINER_OWNED_KEYS:
+        if key in was_auto:  # transformers filled it from TrainingArguments; refilled below after adoptions
+            continue
         ds_val = _get(config, key)
         hf_val = [getattr(args, f) for f in fields]
         hf_val = hf_val[0] if len(fields) == 1 else hf_val
@@ -178,11 +199,17 @@ def reconcile_training_arguments(args: Any) -> tuple[SequenceParallelConfig, dic
         hf_val = bool(getattr(args, flag) or getattr(args, f"{flag}_full_eval"))
         if isinstance(ds_val, bool) and ds_val != hf_val:
             conflicts.append(f"{key}={ds_val} in the DeepSpeed config vs TrainingArguments.{flag}={hf_val}")
+    for key, fields in TRAINER_OWNED_KEYS:
+        if key in was_auto:
+            values = [getattr(args, f) for f in fields]
+            _set(config, key, values[0] if len(fields) == 1 else values)
     micro, gas = int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps)
     explicit_batch = config.pop("train_batch_size", None)
+    if _get(raw, "train_batch_size") == "auto":
+        explicit_batch = None  # transformers filled world x micro x accumulation; ds_seqpar sets it over dp
     world = dist.get_world_size() if dist.is_initialized() else args.world_size
     dp = world // section.size
-    if explicit_batch not in (None, "auto") and explicit_batch != micro * gas * dp:
+    if explicit_batch is not None and explicit_batch != micro * gas * dp:
         conflicts.append(
             f"train_batch_size={explicit_batch} in the DeepSpeed config vs micro batch {micro} x accumulation {gas} "
             f"x dp {dp} = {micro * gas * dp} (dp = world {world} / sequence_parallel.size {section.size})"
@@ -201,6 +228,27 @@ def reconcile_training_arguments(args: Any) -> tuple[SequenceParallelConfig, dic
             "the DeepSpeed config and TrainingArguments disagree:\n" + "\n".join(hf.mismatches)
         )
     return section, ds_config, notices
+
+
+def _refuse_unhonoured_arguments(args: Any, eval_dataset: Any) -> None:
+    """``TrainingArguments`` that the sharded data path does not honour raise by name, before training."""
+    problems = []
+    sampling = getattr(args, "train_sampling_strategy", "random")
+    if sampling != "random":
+        problems.append(
+            f"train_sampling_strategy={sampling!r} (the sampler splits samples over dp in a seeded random order)"
+        )
+    strategy = str(getattr(args, "eval_strategy", "no")).split(".")[-1].lower()
+    if eval_dataset is not None and strategy != "no":
+        problems.append(
+            f"eval_strategy={strategy!r} with an eval_dataset (evaluation batches are not sharded yet)"
+        )
+    if problems:
+        raise SeqParConfigError(
+            "TrainingArguments the sequence-parallel trainer does not honour: "
+            + "; ".join(problems)
+            + "; valid: train_sampling_strategy='random', eval_strategy='no' (evaluate the saved model separately)"
+        )
 
 
 class SeqParTrainerMixin:
@@ -225,9 +273,12 @@ class SeqParTrainerMixin:
                 f"{type(self).__name__} needs TrainingArguments(deepspeed=<config with a 'sequence_parallel' "
                 "section>), e.g. deepspeed='ds_configs/usp_zero3.json'"
             )
-        init_distributed()
+        # the section's fault_timeout_s bounds every collective (an existing process group keeps its own)
+        init_distributed(load_config(_raw_config(args.deepspeed))[0].fault_timeout_s)
         super().__init__(*trainer_args, **trainer_kwargs)
         section, ds_config, notices = reconcile_training_arguments(self.args)
+        _refuse_unhonoured_arguments(self.args, self.eval_dataset)
+        self._train_batch_size = self.args.train_batch_size  # the base read it before the JSON's micro batch
         if dist.get_rank() == 0:
             for line in notices:
                 print(f"ds_seqpar: {line}", flush=True)
@@ -250,16 +301,34 @@ class SeqParTrainerMixin:
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             raise ValueError(f"{type(self).__name__}: training requires a train_dataset")
+        args = self.args
+        workers = {"num_workers": args.dataloader_num_workers, "pin_memory": args.dataloader_pin_memory}
+        if args.dataloader_num_workers > 0:
+            workers.update(
+                persistent_workers=args.dataloader_persistent_workers,
+                prefetch_factor=args.dataloader_prefetch_factor,
+            )
         return seqpar_dataloader(
             self.train_dataset,
             self.seqpar_mesh,
-            self.args.per_device_train_batch_size,
+            args.per_device_train_batch_size,
             collate_fn=self.data_collator,
             shuffle=True,
-            seed=self.args.seed,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
             pad_token_id=self.seqpar_pad_token_id,
-            drop_last=self.args.dataloader_drop_last,
+            drop_last=args.dataloader_drop_last,
+            **workers,
         )
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        raise SeqParConfigError(
+            f"{type(self).__name__} does not shard evaluation batches yet; valid: eval_strategy='no' and no "
+            "trainer.evaluate(), and evaluate the saved model (save_model) without sequence parallelism"
+        )
+
+    def get_total_train_batch_size(self, args: Any) -> int:
+        """Samples per optimizer step: micro batch x accumulation x dp (the SP ranks share each sample)."""
+        return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.seqpar_mesh.dp_size
 
     def compute_loss(
         self,
@@ -298,6 +367,9 @@ class SeqParTrainerMixin:
             state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
         if self.args.should_save:
             inner.save_pretrained(output_dir, state_dict=state_dict)
+            if getattr(self, "processing_class", None) is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, f"{output_dir}/training_args.bin")
 
 
 @functools.cache

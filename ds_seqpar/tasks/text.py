@@ -17,13 +17,15 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Dataset
 
+from ds_seqpar.config import MissingFileError
+
 IGNORE_INDEX = -100
 
 
 def read_documents(path: str, text_field: str = "text") -> Iterator[str]:
     """Yield the documents of a JSONL file, a text file, or a ``save_to_disk`` dataset directory."""
     if not os.path.exists(path):
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"--data {path!r} does not exist; pass a .jsonl file, a .txt file or a dataset directory"
         )
     if os.path.isdir(path):
