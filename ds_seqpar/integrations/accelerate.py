@@ -28,10 +28,8 @@ from ds_seqpar.integrations.deepspeed import (
     init_distributed,
     sequence_parallel_scope,
     sharding_loader,
-    zero_stage,
+    wrap_for_training,
 )
-from ds_seqpar.integrations.transformers import SeqParCausalLM
-from ds_seqpar.loss import sp_grad_scale
 from ds_seqpar.mesh import SeqParMesh
 
 
@@ -115,12 +113,7 @@ def accelerate_prepare(
     _count_cpu_processes(accelerator)
     mesh = SeqParMesh.from_config(section, getattr(model, "config", None))  # validates before any collective
     config.pop(SECTION)  # accelerate's "auto" handling must not see the section; ds_seqpar owns it now
-    wrapped = SeqParCausalLM(
-        model,
-        mesh,
-        grad_scale=sp_grad_scale(zero_stage(ds_config), mesh.sp_size),
-        loss_chunk_size=loss_chunk_size,
-    )
+    wrapped = wrap_for_training(model, mesh, ds_config, loss_chunk_size)
     if optimizer is None:
         if "optimizer" not in ds_config:
             raise SeqParConfigError(

@@ -121,12 +121,7 @@ def initialize(
     init_distributed(section.fault_timeout_s)
     mesh = SeqParMesh.from_config(section, getattr(model, "config", None))  # validates before any collective
     _avoid_jit_optimizer(ds_config)
-    wrapped = SeqParCausalLM(
-        model,
-        mesh,
-        grad_scale=sp_grad_scale(zero_stage(ds_config), mesh.sp_size),
-        loss_chunk_size=loss_chunk_size,
-    )
+    wrapped = wrap_for_training(model, mesh, ds_config, loss_chunk_size)
     if model_parameters is None and optimizer is None:
         model_parameters = wrapped.parameters()
     engine, opt, _, sched = deepspeed.initialize(
@@ -141,6 +136,14 @@ def initialize(
     loader = sharding_loader(training_data, mesh, ds_config, collate_fn, shuffle, seed, pad_token_id)
     engine.seqpar_mesh = mesh
     return engine, opt, loader, sched
+
+
+def wrap_for_training(
+    model: torch.nn.Module, mesh: SeqParMesh, ds_config: dict[str, Any], loss_chunk_size: int
+) -> SeqParCausalLM:
+    """``SeqParCausalLM(model)`` with the gradient factor of the config's ZeRO stage (``sp_grad_scale``)."""
+    grad_scale = sp_grad_scale(zero_stage(ds_config), mesh.sp_size)
+    return SeqParCausalLM(model, mesh, grad_scale=grad_scale, loss_chunk_size=loss_chunk_size)
 
 
 def sharding_loader(

@@ -46,9 +46,7 @@ from transformers import Trainer
 from ds_seqpar.comm.step_watch import StepWatch
 from ds_seqpar.config import SECTION, SeqParConfigError, SequenceParallelConfig, load_config, parse_section
 from ds_seqpar.data import seqpar_dataloader
-from ds_seqpar.integrations.deepspeed import init_distributed, sequence_parallel_scope, zero_stage
-from ds_seqpar.integrations.transformers import SeqParCausalLM
-from ds_seqpar.loss import sp_grad_scale
+from ds_seqpar.integrations.deepspeed import init_distributed, sequence_parallel_scope, wrap_for_training
 from ds_seqpar.mesh import SeqParMesh
 
 # DeepSpeed keys that TrainingArguments also sets (transformers' HfTrainerDeepSpeedConfig checks them).
@@ -287,12 +285,7 @@ class SeqParTrainerMixin:
         if pad_token_id is None:
             pad_token_id = getattr(getattr(self, "processing_class", None), "pad_token_id", None)
         self.seqpar_pad_token_id = 0 if pad_token_id is None else int(pad_token_id)
-        wrapped = SeqParCausalLM(
-            model,
-            self.seqpar_mesh,
-            grad_scale=sp_grad_scale(zero_stage(ds_config), self.seqpar_mesh.sp_size),
-            loss_chunk_size=loss_chunk_size,
-        )
+        wrapped = wrap_for_training(model, self.seqpar_mesh, ds_config, loss_chunk_size)
         self.model = self.model_wrapped = wrapped
         # the loss is already the SP group's token mean: let the Trainer divide by grad accumulation
         self.model_accepts_loss_kwargs = False
