@@ -50,7 +50,9 @@ from pydantic import (
 SECTION = "sequence_parallel"
 
 LayoutName = Literal["contiguous", "zigzag", "stripe"]
-ScheduleName = Literal["p2p", "all_gather"]
+ScheduleName = Literal["p2p", "all_gather", "tasp", "startrail", "attention2d"]
+StarTrailBackward = Literal["auto", "kv", "query"]
+NO_HAMILTONIAN_DECOMPOSITION = (4, 6)  # the complete digraphs TASP cannot use (Tillson)
 SparseKernelName = Literal["auto", "triton", "blocks", "masked"]
 AttentionName = Literal["usp", "ulysses", "ring", "sparse_ring"]
 BalancingName = Literal["stripe", "dbsp", "none"]
@@ -103,7 +105,28 @@ class RingConfig(_Section):
     schedule: ScheduleName = Field(
         "p2p",
         description="How K/V reach every rank: p2p (ring / double ring of isend/irecv) | all_gather "
-        "(Llama-3 style all-gather K/V + reduce-scatter dK/dV; for irregular packed batches).",
+        "(Llama-3 style all-gather K/V + reduce-scatter dK/dV; for irregular packed batches) | tasp (d - 1 "
+        "concurrent rings over the Hamiltonian cycles of a domain of d = inner_size (or R) ranks: every link "
+        "of an all-to-all node busy) | startrail (teams of team_size ranks gather Q/K/V, sub-rings of "
+        "R / team_size^2 ranks carry K/V between teams: inter-node bytes / team_size) | attention2d "
+        "(grid of P_q x P_kv ranks: Q gathered along rows, K/V along columns, outputs merged along rows). "
+        "docs/schedules.md says when to use each.",
+    )
+    team_size: StrictInt | None = Field(
+        None,
+        description="StarTrail team size C (schedule=startrail): C^2 must divide the ring degree R; 1 = ring.",
+        ge=1,
+    )
+    grid: list[StrictInt] | None = Field(
+        None,
+        description="ATTENTION2D grid [P_q, P_kv] (schedule=attention2d): P_q x P_kv = ring degree R.",
+        min_length=2,
+        max_length=2,
+    )
+    startrail_backward: StarTrailBackward = Field(
+        "auto",
+        description="StarTrail backward: kv (K/V and dK/dV accumulators travel, like the ring) | query (Q, dO, "
+        "lse, delta and a dQ accumulator travel, K/V stay) | auto (the one sending fewer bytes per step).",
     )
 
 
@@ -282,6 +305,12 @@ class SequenceParallelConfig(_Section):
         description="Block attention kernel: auto | torch (chunked reference) | sdpa (PyTorch CPU flash op) | "
         "cuda_sdpa (PyTorch's fused CUDA ops) | flash_attn (CUDA).",
     )
+    ranks_per_node: Annotated[StrictInt, Field(ge=1)] | Literal["auto"] = Field(
+        "auto",
+        description="Ranks that share a node (NVLink / NVSwitch domain): decides which bytes are intra- and "
+        'which inter-node (CommStats link classes, python -m ds_seqpar.report). "auto" = the launcher\'s '
+        "LOCAL_WORLD_SIZE (all ranks when unset); set it to simulate a cluster on one machine.",
+    )
     fault_timeout_s: Annotated[float, Field(gt=0)] = Field(
         1800.0,
         description="Seconds a rank waits in a collective for a failed, dead or hung peer before it gives up and "
@@ -317,6 +346,7 @@ class SequenceParallelConfig(_Section):
                 "ring is a P2P schedule); valid: ring.inner_size=null or ring.schedule='p2p'"
             )
         self._check_sparse()
+        self._check_schedule_keys()
         if self.ring.layout != "stripe" and self.ring.granularity != 1:
             raise ValueError(
                 f"sequence_parallel.ring.granularity={self.ring.granularity} only applies to layout='stripe' "
@@ -364,6 +394,59 @@ class SequenceParallelConfig(_Section):
                 f"(size={self.size} / ulysses_degree={self.ulysses_degree}); "
                 f"valid: null, {_fmt_choices(divisors(ring_degree))}"
             )
+        ring, kind = self.ring, self.ring.schedule
+        if kind == "tasp":
+            domain = inner or ring_degree
+            if domain in NO_HAMILTONIAN_DECOMPOSITION:
+                valid = [d for d in divisors(ring_degree) if d not in NO_HAMILTONIAN_DECOMPOSITION]
+                raise ValueError(
+                    f"sequence_parallel.ring.schedule='tasp' over a domain of {domain} ranks (ring.inner_size="
+                    f"{inner}, ring degree R={ring_degree}): the complete digraph on 4 or 6 ranks has no Hamiltonian "
+                    f"decomposition; valid: ring.inner_size in {_fmt_choices(valid)} (nearest sizes with one: "
+                    f"{domain - 1}, {domain + 1}), or ring.schedule='p2p'"
+                )
+        if kind == "startrail":
+            valid = [c for c in divisors(ring_degree) if ring_degree % (c * c) == 0]
+            c = ring.team_size
+            if c is None or ring_degree % (c * c) != 0:
+                raise ValueError(
+                    f"sequence_parallel.ring.team_size={c} does not suit ring.schedule='startrail' on the ring degree "
+                    f"R={ring_degree}: C^2 must divide R (teams of C ranks, sub-rings of R / C^2); valid: "
+                    f"{_fmt_choices(valid)}"
+                )
+        if kind == "attention2d":
+            grid = ring.grid
+            if grid is None or grid[0] < 1 or grid[1] < 1 or grid[0] * grid[1] != ring_degree:
+                valid = [f"[{d}, {ring_degree // d}]" for d in divisors(ring_degree)]
+                raise ValueError(
+                    f"sequence_parallel.ring.grid={grid} does not suit ring.schedule='attention2d' on the ring degree "
+                    f"R={ring_degree}: P_q x P_kv must equal R; valid: {', '.join(valid)}"
+                )
+
+    def _check_schedule_keys(self) -> None:
+        """Schedule settings that only one schedule reads, and schedules that do not compose."""
+        ring, kind = self.ring, self.ring.schedule
+        for key, owner in (
+            ("team_size", "startrail"),
+            ("grid", "attention2d"),
+            ("startrail_backward", "startrail"),
+        ):
+            if key in ring.model_fields_set and kind != owner:
+                raise ValueError(
+                    f"sequence_parallel.ring.{key} is set but ring.schedule='{kind}' ignores it; valid: "
+                    f"ring.schedule='{owner}', or remove ring.{key}"
+                )
+        if kind in ("startrail", "attention2d") and ring.inner_size is not None:
+            raise ValueError(
+                f"sequence_parallel.ring.inner_size={ring.inner_size} makes a double ring, which "
+                f"ring.schedule='{kind}' does not compose with (its teams / grid rows already stay inside a node); "
+                "valid: ring.inner_size=null, or ring.schedule='p2p' / 'tasp'"
+            )
+        if self.attention == "sparse_ring" and kind not in ("p2p", "all_gather"):
+            raise ValueError(
+                f"sequence_parallel.ring.schedule='{kind}' is not built for attention='sparse_ring'; valid: "
+                "ring.schedule='p2p' or 'all_gather', or attention='usp'"
+            )
 
     # ----------------------------------------------------------------------------------------
     @property
@@ -383,6 +466,13 @@ class SequenceParallelConfig(_Section):
                 "call it first or set an integer ulysses_degree"
             )
         return self.ulysses_degree
+
+    @property
+    def ring_pieces(self) -> int:
+        """Equal pieces each ring shard's segments are cut into (``tasp``: d − 1, one per cycle), else 1."""
+        if not self.enabled or self.ring.schedule != "tasp" or self.size == "auto":
+            return 1
+        return max(1, self.ring_inner_size - 1)
 
     @property
     def ring_inner_size(self) -> int:

@@ -161,6 +161,7 @@ class UspLayout(_PositionLayout):
 
     ring: SeqLayout
     ulysses: int
+    pieces: int = 1  # ring.schedule 'tasp': each ring shard's segments cut into this many equal pieces
 
     def __post_init__(self) -> None:
         if self.ulysses < 1:
@@ -172,7 +173,7 @@ class UspLayout(_PositionLayout):
 
     @property
     def multiple(self) -> int:
-        return math.lcm(self.ring.multiple, self.ring.world * self.ulysses)
+        return math.lcm(piece_multiple(self.ring, self.pieces), self.ring.world * self.ulysses)
 
     def check_length(self, seq_len: int) -> None:
         mult = self.multiple
@@ -180,8 +181,10 @@ class UspLayout(_PositionLayout):
             padded = max(mult, -(-seq_len // mult) * mult)
             raise LayoutError(
                 f"sequence length {seq_len} cannot be split by layout='{self.ring.kind}' over {self.ring.world} "
-                f"ring ranks x ulysses degree {self.ulysses}: it must be a multiple of {mult}; pad it to {padded} "
-                "(ds_seqpar.data pads for you) or change the layout"
+                f"ring ranks x ulysses degree {self.ulysses}"
+                + (f" with {self.pieces} TASP pieces per segment" if self.pieces > 1 else "")
+                + f": it must be a multiple of {mult}; pad it to {padded} (ds_seqpar.data pads for you) or "
+                "change the layout"
             )
 
     def local_positions(self, seq_len: int, rank: int) -> torch.Tensor:
@@ -252,6 +255,122 @@ class BlockLayout(_PositionLayout):
         return [(0, seq_len // self.world)]
 
 
+@dataclass(frozen=True)
+class GroupLayout(_PositionLayout):
+    """Groups of a base layout's ranks seen as one rank each (team schedules, ``parallel/team.py``): group g
+    holds the tokens of its members ``groups[g]``, concatenated in member order (what an all-gather over
+    the group produces). StarTrail's teams and ATTENTION2D's rows and columns.
+
+    Args:
+        base: the layout over the ring's ranks.
+        groups: member ranks (of ``base``) of every group, each group the same size.
+    """
+
+    base: SeqLayout
+    groups: tuple[tuple[int, ...], ...]
+    kind: str = "groups"
+
+    def __post_init__(self) -> None:
+        sizes = {len(g) for g in self.groups}
+        members = sorted(r for g in self.groups for r in g)
+        if (
+            len(sizes) != 1
+            or members != sorted(set(members))
+            or not set(members) <= set(range(self.base.world))
+        ):
+            raise LayoutError(
+                f"GroupLayout needs groups of equal size of distinct ranks 0..{self.base.world - 1}; got {self.groups}"
+            )
+
+    @property
+    def world(self) -> int:  # type: ignore[override]
+        return len(self.groups)
+
+    @property
+    def multiple(self) -> int:
+        return self.base.multiple
+
+    def check_length(self, seq_len: int) -> None:
+        self.base.check_length(seq_len)
+
+    def local_positions(self, seq_len: int, rank: int) -> torch.Tensor:
+        if not 0 <= rank < self.world:
+            raise LayoutError(f"group={rank} is outside the layout's {self.world} groups")
+        return torch.cat([self.base.local_positions(seq_len, r) for r in self.groups[rank]])
+
+    def segments(self, seq_len: int) -> list[tuple[int, int]]:
+        """Every member's segments, shifted to the member's place in the group."""
+        n = seq_len // self.base.world
+        return [
+            (i * n + a, i * n + b) for i in range(len(self.groups[0])) for a, b in self.base.segments(seq_len)
+        ]
+
+
+@dataclass(frozen=True)
+class PieceLayout(_PositionLayout):
+    """Every rank's tokens of a base layout cut into ``pieces`` equal pieces, each seen as a rank of its own
+    (TASP's concurrent rings, ``comm/p2p.py``): rank ``r · pieces + c`` holds piece c of rank r's tokens,
+    which is the c-th equal part of each of r's segments (so under zigzag every piece is itself balanced).
+
+    Args:
+        base: the layout over the ring's ranks.
+        pieces: pieces per rank (TASP: one per Hamiltonian cycle, d − 1).
+    """
+
+    base: SeqLayout
+    pieces: int
+    kind: str = "pieces"
+
+    def __post_init__(self) -> None:
+        if self.pieces < 1:
+            raise LayoutError(f"pieces={self.pieces} must be >= 1")
+
+    @property
+    def world(self) -> int:  # type: ignore[override]
+        return self.base.world * self.pieces
+
+    @property
+    def multiple(self) -> int:
+        return piece_multiple(self.base, self.pieces)
+
+    def check_length(self, seq_len: int) -> None:
+        self.base.check_length(seq_len)
+        mult = self.multiple
+        if seq_len % mult:
+            padded = -(-seq_len // mult) * mult
+            raise LayoutError(
+                f"sequence length {seq_len} cannot be cut into {self.pieces} equal pieces per segment of "
+                f"layout='{self.base.kind}' over {self.base.world} ranks (ring.schedule='tasp' sends one piece on "
+                f"each of its {self.pieces} rings): it must be a multiple of {mult}; pad it to {padded} "
+                "(ds_seqpar.data pads for you)"
+            )
+
+    def piece_index(self, seq_len: int, piece: int) -> torch.Tensor:
+        """Local indices (into a base rank's tokens) of piece ``piece``: int64 ``[n / pieces]``."""
+        self.check_length(seq_len)
+        return torch.cat([
+            torch.arange(a, b).view(self.pieces, -1)[piece] for a, b in self.base.segments(seq_len)
+        ])  # fmt: skip
+
+    def local_positions(self, seq_len: int, rank: int) -> torch.Tensor:
+        if not 0 <= rank < self.world:
+            raise LayoutError(f"piece rank={rank} is outside the layout's {self.world} pieces")
+        owner, piece = divmod(rank, self.pieces)
+        return self.base.local_positions(seq_len, owner)[self.piece_index(seq_len, piece)]
+
+    def segments(self, seq_len: int) -> list[tuple[int, int]]:
+        size = seq_len // self.world // len(self.base.segments(seq_len))
+        return [(i * size, (i + 1) * size) for i in range(len(self.base.segments(seq_len)))]
+
+
+def piece_multiple(base: SeqLayout, pieces: int) -> int:
+    """What S must be a multiple of for every segment of ``base`` to cut into ``pieces`` equal pieces."""
+    if pieces == 1:
+        return base.multiple
+    segments = 2 if base.kind == "zigzag" else 1
+    return math.lcm(base.multiple, base.world * segments * pieces)
+
+
 def _check_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int], seq_len: int) -> torch.Tensor:
     cu = torch.as_tensor(cu_seqlens, dtype=torch.int64).reshape(-1)
     if cu.numel() < 2 or cu[0].item() != 0:
@@ -292,4 +411,6 @@ def input_layout(mesh: Any) -> UspLayout:
     the R ring ranks (``sequence_parallel.ring.layout``, or sparse balancing stripes), then each ring
     shard split into U Ulysses pieces."""
     kind, granularity = mesh.settings.ring_layout
-    return UspLayout(SeqLayout(kind, mesh.ring_size, granularity), mesh.ulysses_size)
+    return UspLayout(
+        SeqLayout(kind, mesh.ring_size, granularity), mesh.ulysses_size, mesh.settings.ring_pieces
+    )

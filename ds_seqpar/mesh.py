@@ -27,6 +27,7 @@ Nothing here is module-level state: a ``SeqParMesh`` is built once and passed ex
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,6 +182,9 @@ class SeqParMesh:
     # per-mesh reusable communication objects (e.g. ring schedules with their receive buffers)
     resources: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.comm_stats.rank, self.comm_stats.node_of = self.coords.rank, self.node_of  # link classes
+
     @classmethod
     def build(
         cls,
@@ -268,6 +272,39 @@ class SeqParMesh:
         if kind not in self.process_groups:
             raise ValueError(f"unknown group kind {kind!r}; valid: {', '.join(GROUP_KINDS)}")
         return self.process_groups[kind]
+
+    def ring_subgroup(self, name: str, parts: list[list[int]]) -> tuple[Any, list[int], int]:
+        """The process group of the part of ``parts`` (lists of ring ranks partitioning the ring) that holds
+        this rank: ``(group, global member ranks in part order, this rank's index)``. Collective the first
+        time a name is asked for: every rank creates the groups of every ring (all dp and Ulysses indices)
+        in the same order; cached in ``resources`` (StarTrail teams, ATTENTION2D rows and columns)."""
+        key = f"ring_subgroup:{name}"
+        if key not in self.resources:
+            p, mine = self.plan, None
+            for d in range(p.dp_size):
+                for x in range(p.ulysses_size):
+                    for part in parts:
+                        ranks = [p.rank_of(d, q, x) for q in part]
+                        group = dist.new_group(ranks) if len(ranks) > 1 else None
+                        if self.coords.rank in ranks:
+                            mine = (group, ranks, ranks.index(self.coords.rank))
+            if mine is None:
+                raise ValueError(f"ring subgroup {name!r}: no part holds ring rank {self.coords.ring_rank}")
+            self.resources[key] = mine
+        return self.resources[key]
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks per node (``sequence_parallel.ranks_per_node``; "auto": the launcher's LOCAL_WORLD_SIZE, all
+        ranks when unset)."""
+        wanted = self.config.ranks_per_node if self.config is not None else "auto"
+        if wanted == "auto":
+            wanted = int(os.environ.get("LOCAL_WORLD_SIZE", self.plan.world_size))
+        return max(1, min(int(wanted), self.plan.world_size))
+
+    def node_of(self, rank: int) -> int:
+        """Node index of a global rank (ranks are numbered node by node, as the launchers do)."""
+        return rank // self.ranks_per_node
 
     def mpu(self) -> DeepSpeedMPU:
         """The adapter DeepSpeed takes as ``deepspeed.initialize(..., mpu=...)``."""

@@ -134,7 +134,7 @@ class RingComm:
         ops += [dist.P2POp(dist.irecv, r, self.prev_rank, self.group, tag) for r in received]
         requests = dist.batch_isend_irecv(ops)
         if self.stats is not None:
-            self.stats.record_tensors("p2p", *payload)
+            self.stats.record_tensors("p2p", *payload, peers=[self.next_rank])
         return PendingExchange(requests, received)
 
     def exchange_each(self, payload: list[torch.Tensor], tag: int) -> PendingExchange:
@@ -162,7 +162,7 @@ class RingComm:
         for req in dist.batch_isend_irecv(ops):
             req.wait()
         if self.stats is not None:
-            self.stats.record_tensors("p2p", sent)
+            self.stats.record_tensors("p2p", sent, peers=[self.next_rank])
         return got
 
 
@@ -306,10 +306,16 @@ class RingSchedule:
 def _accumulate(pending: PendingExchange | None, grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """``received + grads`` (in place into the received tensors), or ``grads`` when nothing is pending;
     ``grads`` is emptied (the result holds what is still needed)."""
-    if pending is None:
+    return accumulate_into(None if pending is None else pending.wait(), grads)
+
+
+def accumulate_into(received: Sequence[torch.Tensor] | None, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``received + grads`` (in place into the received tensors), or ``grads`` when nothing was received;
+    ``grads`` is emptied (the result holds what is still needed)."""
+    if received is None:
         out = list(grads)
     else:
-        out = list(pending.wait())
+        out = list(received)
         for r, g in zip(out, grads, strict=True):
             if r is not g:  # ``g is r``: the step added into the arrived accumulator (``incoming()``)
                 r.add_(g)
@@ -349,9 +355,12 @@ class AllGatherSchedule:
         out = stacked.new_empty((self.size * len(kv), *stacked.shape[1:]))
         _all_gather_single(out, stacked, group=self.group)
         if self.stats is not None:
-            self.stats.record_tensors("all_gather", stacked, copies=self.size - 1)
+            self.stats.record_tensors("all_gather", stacked, peers=self._peers())
         gathered = out.view(self.size, *stacked.shape)
         return [tuple(gathered[j]) for j in range(self.size)]
+
+    def _peers(self) -> list[int]:
+        return [m for j, m in enumerate(self.members) if j != self.index]
 
     def _order(self) -> list[int]:
         """Own block first, then the others (the same order as the ring's first step)."""
@@ -381,5 +390,5 @@ class AllGatherSchedule:
         local = sums.new_empty(sums.shape[1:])
         _reduce_scatter_single(local, sums.flatten(0, 1), group=self.group)  # dK and dV in one collective
         if self.stats is not None:
-            self.stats.record_tensors("reduce_scatter", local, copies=self.size - 1)
+            self.stats.record_tensors("reduce_scatter", local, peers=self._peers())
         return tuple(local)

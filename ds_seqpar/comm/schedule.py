@@ -12,7 +12,13 @@ iterates it and never calls a collective itself:
                   (the step may add into it in place and send it back), or None
 
 Registered: ``p2p`` (single ring, or the double ring when ``ring.inner_size`` < R; overlap of transfer
-and compute optional) and ``all_gather`` (Llama-3 style). A new schedule is a class with this
+and compute optional), ``all_gather`` (Llama-3 style), ``tasp`` (concurrent Hamiltonian rings inside a
+domain, ``comm/tasp.py``; optionally inside an outer ring), and the team schedules ``startrail`` and
+``attention2d`` (``comm/team.py``), which the engine runs on a team's gathered query rows: they carry
+``team_comm`` (the team's collectives), ``query_groups`` / ``key_groups`` (the ring ranks whose tokens
+form each query-row team and each K/V block) and ``gathers_kv`` (whether the team gathers K/V too);
+``parallel/team.py`` wraps them. A schedule may also have ``pieces`` (TASP: owners are pieces of the
+ring layout's shards, ``layout.PieceLayout``). A new schedule is a class with this
 interface plus one entry in :data:`SCHEDULES` (docs/architecture.md, "How to add a schedule").
 """
 
@@ -24,6 +30,8 @@ from typing import Any, Protocol
 import torch
 
 from ds_seqpar.comm.p2p import AllGatherSchedule, Block, Payload, RingComm, RingSchedule
+from ds_seqpar.comm.tasp import CycleComm, TaspSchedule
+from ds_seqpar.comm.team import GridColumnSchedule, ShiftComm, StarTrailSchedule, TeamComm
 
 
 class Schedule(Protocol):
@@ -57,7 +65,83 @@ def _all_gather(mesh: Any, overlap: bool) -> Schedule:
     return AllGatherSchedule(mesh.group("ring"), mesh.members["ring"], mesh.coords.ring_rank, mesh.comm_stats)
 
 
-SCHEDULES: dict[str, Callable[[Any, bool], Schedule]] = {"p2p": _p2p, "all_gather": _all_gather}
+def _outer(mesh: Any) -> RingComm | None:
+    if mesh.ring_inner_size == mesh.ring_size:
+        return None
+    c = mesh.coords
+    return RingComm(mesh.group("ring_outer"), mesh.members["ring_outer"], c.ring_outer_rank, mesh.comm_stats)
+
+
+def _tasp(mesh: Any, overlap: bool) -> Schedule:
+    c, stats = mesh.coords, mesh.comm_stats
+    kind = "ring" if mesh.ring_inner_size == mesh.ring_size else "ring_inner"
+    index = c.ring_rank if kind == "ring" else c.ring_inner_rank
+    domain = CycleComm(mesh.group(kind), mesh.members[kind], index, stats)
+    segments = 2 if mesh.settings.ring_layout[0] == "zigzag" else 1
+    return TaspSchedule(domain, _outer(mesh), segments, overlap)
+
+
+def team_parts(ring: int, team_size: int) -> list[list[int]]:
+    """StarTrail teams: ``team_size`` consecutive ring ranks each."""
+    return [list(range(t * team_size, (t + 1) * team_size)) for t in range(ring // team_size)]
+
+
+def grid_parts(rows: int, cols: int) -> tuple[list[list[int]], list[list[int]]]:
+    """ATTENTION2D rows (``cols`` consecutive ring ranks) and columns (``rows`` ranks of stride ``cols``)."""
+    return (
+        [[i * cols + j for j in range(cols)] for i in range(rows)],
+        [[i * cols + j for i in range(rows)] for j in range(cols)],
+    )
+
+
+def _startrail(mesh: Any, overlap: bool) -> Schedule:
+    r, cfg, stats = mesh.ring_size, mesh.settings.ring, mesh.comm_stats
+    size = cfg.team_size
+    teams, me = r // size, mesh.coords.ring_rank
+    m = teams // size
+    t, k = divmod(me, size)
+    a, i = divmod(t, m)
+    ring_group, ring_members = mesh.group("ring"), mesh.members["ring"]
+    group, members, index = mesh.ring_subgroup(f"startrail_team_{size}", team_parts(r, size))
+    positions = [(a * m + x) * size + k for x in range(m)]  # member k of the teams of group a: the sub-ring
+    subring = RingSchedule(
+        RingComm(ring_group, [ring_members[q] for q in positions], i, stats), None, overlap
+    )
+    skew = unskew = None
+    if k:
+        ahead, behind = ((t + k * m) % teams) * size + k, ((t - k * m) % teams) * size + k
+        skew = ShiftComm(ring_group, ring_members[ahead], ring_members[behind], stats)
+        unskew = ShiftComm(ring_group, ring_members[behind], ring_members[ahead], stats)
+    schedule = StarTrailSchedule(subring, skew, unskew, t, k, size, teams)
+    schedule.team_comm = TeamComm(group, members, index, stats)
+    schedule.key_groups = schedule.query_groups = tuple(tuple(p) for p in team_parts(r, size))
+    schedule.gathers_kv = True
+    return schedule
+
+
+def _attention2d(mesh: Any, overlap: bool) -> Schedule:
+    rows, cols = mesh.settings.ring.grid
+    stats, (i, j) = mesh.comm_stats, divmod(mesh.coords.ring_rank, cols)
+    row_parts, col_parts = grid_parts(rows, cols)
+    row = TeamComm(*mesh.ring_subgroup(f"grid_rows_{rows}x{cols}", row_parts), stats)
+    column = TeamComm(*mesh.ring_subgroup(f"grid_cols_{rows}x{cols}", col_parts), stats)
+    schedule = GridColumnSchedule(column, i, j, cols)
+    schedule.team_comm = row
+    schedule.query_groups, schedule.key_groups = (
+        tuple(tuple(p) for p in row_parts),
+        tuple(tuple(p) for p in col_parts),
+    )
+    schedule.gathers_kv = False
+    return schedule
+
+
+SCHEDULES: dict[str, Callable[[Any, bool], Schedule]] = {
+    "p2p": _p2p,
+    "all_gather": _all_gather,
+    "tasp": _tasp,
+    "startrail": _startrail,
+    "attention2d": _attention2d,
+}
 """``sequence_parallel.ring.schedule`` name -> builder ``(mesh, overlap) -> Schedule``."""
 
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ds_seqpar.comm.schedule import SCHEDULES, Schedule, build_schedule
-from ds_seqpar.layout import SeqLayout
+from ds_seqpar.layout import GroupLayout, PieceLayout, SeqLayout
 from ds_seqpar.ops.attention import AttentionKernel, block_attn_backward, block_attn_forward, kernel_for
 from ds_seqpar.ops.masks import BlockKind, MaskSpec, classify_block, quick_block_kind
 from ds_seqpar.ops.merge import apply_sink, inert_empty_rows, merge_attn_, sink_grad
@@ -48,6 +48,9 @@ __all__ = [
     "WorkCounter",
     "build_schedule",
     "check_qkv",
+    "engine_backward",
+    "engine_forward",
+    "plan_layouts",
     "ring_attention",
 ]
 
@@ -70,6 +73,11 @@ class RingPlan:
         softcap: None, or c > 0: every score s becomes c·tanh(s / c) before the softmax (Gemma 2).
         sparse_kernel: the sparse block kernel (``ops/sparse_kernels.py``: ``"auto"``, ``"triton"``,
             ``"blocks"``, ``"masked"``); used only with ``sparse``.
+        query_layout: None (this rank's queries are ``layout``'s rank ``schedule.ring_rank``), or the
+            layout of the query rows when they are not one K/V owner's (team schedules,
+            ``parallel/team.py``: the rows of a team, or of a grid row); this rank's queries are then its
+            rank ``schedule.query_rank``, and the K/V block a schedule yields with owner ``o`` holds
+            ``layout``'s rank ``o``.
     """
 
     schedule: Schedule
@@ -81,15 +89,32 @@ class RingPlan:
     sparse: SparsePattern | None = None
     softcap: float | None = None
     sparse_kernel: str = "auto"
+    query_layout: Any = None
 
     def __post_init__(self) -> None:
         if self.sparse is not None and not self.spec.causal:
             raise ValueError("a sparse (vertical-slash) ring plan needs MaskSpec(causal=True)")
+        if self.query_layout is not None:
+            if self.sparse is not None:
+                raise ValueError(
+                    "a sparse ring plan takes its query positions from `layout`: no query_layout"
+                )
+            return
         if self.layout.world != self.schedule.size:
             raise ValueError(
                 f"layout over {self.layout.world} ranks does not match the ring of {self.schedule.size} ranks; "
                 "build the layout with world = ring degree"
             )
+
+
+def _q_layout(plan: RingPlan) -> Any:
+    """The layout of the query rows (``plan.layout`` unless a team schedule gives its own)."""
+    return plan.layout if plan.query_layout is None else plan.query_layout
+
+
+def _query_rank(plan: RingPlan) -> int:
+    """This rank's index in the query layout."""
+    return plan.schedule.ring_rank if plan.query_layout is None else plan.schedule.query_rank
 
 
 @dataclass(frozen=True)
@@ -145,7 +170,10 @@ def _tiles(rows: slice, min_rows: int) -> list[slice]:
 
 
 def _backward_tiles(
-    tasks: list[Any], segments: list[tuple[int, int]], min_rows: int = BACKWARD_TILE_MIN
+    tasks: list[Any],
+    q_segments: list[tuple[int, int]],
+    k_segments: list[tuple[int, int]],
+    min_rows: int = BACKWARD_TILE_MIN,
 ) -> list[Any]:
     """The backward's calls: FULL tasks cut at segment boundaries, then each piece into tiles
     (``_tiles``) along queries and keys; square CAUSAL tasks cut the same way on both axes, into
@@ -153,7 +181,7 @@ def _backward_tiles(
     kernel's dq / dk / dv parts then exist for one tile at a time (1/16 of a segment pair's), and so
     does the output a call takes (``_Rows.final_out``). Other tasks unchanged; the same pairs."""
 
-    def cuts(rows: slice) -> list[slice]:
+    def cuts(rows: slice, segments: list[tuple[int, int]]) -> list[slice]:
         pieces = [slice(max(a, rows.start), min(b, rows.stop)) for a, b in segments]
         return [
             tile for p in ([p for p in pieces if p.start < p.stop] or [rows]) for tile in _tiles(p, min_rows)
@@ -168,11 +196,11 @@ def _backward_tiles(
         if square and task.kind is BlockKind.FULL:
             pieces = [
                 _BlockTask(qr, kr, BlockKind.FULL, None)
-                for qr in cuts(task.q_rows)
-                for kr in cuts(task.k_rows)
+                for qr in cuts(task.q_rows, q_segments)
+                for kr in cuts(task.k_rows, k_segments)
             ]
         elif square and task.kind is BlockKind.CAUSAL:
-            rows, by = cuts(task.q_rows), task.k_rows.start - task.q_rows.start
+            rows, by = cuts(task.q_rows, q_segments), task.k_rows.start - task.q_rows.start
             pieces = [
                 _BlockTask(qr, shifted(kr, by), BlockKind.CAUSAL if a == b else BlockKind.FULL, None)
                 for a, qr in enumerate(rows)
@@ -416,23 +444,25 @@ def _tasks(plan: RingPlan, seq_len: int, owner: int, q_pos: torch.Tensor, q_doc:
     documents make PARTIAL cut at document boundaries. Host work (with host syncs on a GPU): done
     once per (plan, length, owner) by :func:`_cached_tasks`.
     """
-    layout = plan.layout
     k_pos, k_doc = _tokens(plan, seq_len, owner, q_pos.device)
     k_pos = _per_row(k_pos, k_doc)  # per-row documents need per-row positions
-    segments = layout.segments(seq_len)
-    if len(segments) > 1:
+    q_segments, k_segments = _q_layout(plan).segments(seq_len), plan.layout.segments(seq_len)
+    if len(q_segments) * len(k_segments) > 1:
         whole = quick_block_kind(q_pos, k_pos, plan.spec, q_doc, k_doc)
         if whole is BlockKind.EMPTY:
             return []
         if whole in (BlockKind.FULL, BlockKind.CAUSAL):
-            m = len(segments)
-            covered = (
-                m * m if whole is BlockKind.FULL else m * (m + 1) // 2
-            )  # causal: no pair above the diagonal
+            covered = len(q_segments) * len(k_segments)
+            if whole is BlockKind.CAUSAL:  # no pair above the diagonal
+                covered = sum(
+                    quick_block_kind(q_pos[..., qa:qb], k_pos[..., ka:kb], plan.spec) is not BlockKind.EMPTY
+                    for qa, qb in q_segments
+                    for ka, kb in k_segments
+                )
             return [_BlockTask(slice(0, q_pos.shape[-1]), slice(0, k_pos.shape[-1]), whole, None, covered)]
     tasks = []
-    for qa, qb in segments:
-        for ka, kb in segments:
+    for qa, qb in q_segments:
+        for ka, kb in k_segments:
             tiled = None if q_doc is not None else _window_tasks(plan, (qa, qb), (ka, kb), q_pos, k_pos)
             if tiled is not None:
                 tasks += tiled
@@ -476,7 +506,15 @@ def _cached(plan: RingPlan, what: tuple, device: torch.device, build: Callable[[
     batch; the step loop itself then makes no host sync and no host-to-device copy.
     """
     docs = plan.doc_ids
-    key = (plan.layout, plan.spec, id(docs), None if docs is None else docs._version, what, str(device))
+    key = (
+        plan.layout,
+        plan.query_layout,
+        plan.spec,
+        id(docs),
+        None if docs is None else docs._version,
+        what,
+        str(device),
+    )
     entry = _PLANS.get(key)
     if entry is not None and entry.doc_ids is docs:
         _PLANS.move_to_end(key)
@@ -491,7 +529,7 @@ def _cached(plan: RingPlan, what: tuple, device: torch.device, build: Callable[[
 def _cached_tasks(
     plan: RingPlan, seq_len: int, owner: int, q_pos: torch.Tensor, q_doc: Any
 ) -> list[_BlockTask]:
-    me = plan.schedule.ring_rank
+    me = _query_rank(plan)
     return _cached(
         plan, ("tasks", seq_len, me, owner), q_pos.device, lambda: _tasks(plan, seq_len, owner, q_pos, q_doc)
     )
@@ -510,21 +548,26 @@ def _sparse_pair(
     plan: RingPlan, seq_len: int, owner: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """Positions of this rank's queries and ``owner``'s keys, and the sparse kernel's mask keywords."""
-    q_pos, q_doc = _tokens(plan, seq_len, plan.schedule.ring_rank, device)
+    q_pos, q_doc = _tokens(plan, seq_len, _query_rank(plan), device, queries=True)
     k_pos, k_doc = _tokens(plan, seq_len, owner, device)
     return q_pos, k_pos, dict(spec=plan.spec, q_doc=q_doc, k_doc=k_doc, softcap=plan.softcap)
 
 
-def _tokens(plan: RingPlan, seq_len: int, rank: int, device: torch.device) -> tuple[torch.Tensor, Any]:
-    """1-D global positions ``[n]`` and document ids (``[n]`` / ``[B, n]`` or None) of ``rank``'s tokens,
-    cached like the block tasks (the one lookup of positions and documents of the engine)."""
+def _tokens(
+    plan: RingPlan, seq_len: int, rank: int, device: torch.device, queries: bool = False
+) -> tuple[torch.Tensor, Any]:
+    """1-D global positions ``[n]`` and document ids (``[n]`` / ``[B, n]`` or None) of ``rank``'s tokens
+    (of the query layout with ``queries``, else of the K/V layout), cached like the block tasks (the one
+    lookup of positions and documents of the engine)."""
+    layout = _q_layout(plan) if queries else plan.layout
 
     def build() -> tuple[torch.Tensor, Any]:
-        pos = plan.layout.local_positions(seq_len, rank).to(device)
-        doc = None if plan.doc_ids is None else plan.layout.shard(plan.doc_ids, rank, dim=-1).to(device)
+        pos = layout.local_positions(seq_len, rank).to(device)
+        doc = None if plan.doc_ids is None else layout.shard(plan.doc_ids, rank, dim=-1).to(device)
         return pos, doc
 
-    return _cached(plan, ("tokens", seq_len, rank), device, build)
+    side = "queries" if queries and plan.query_layout is not None else "keys"
+    return _cached(plan, ("tokens", side, seq_len, rank), device, build)
 
 
 def _has_padding(plan: RingPlan, device: torch.device) -> bool:
@@ -542,7 +585,7 @@ def _per_row(pos: torch.Tensor, doc: Any) -> torch.Tensor:
 
 def _query_meta(plan: RingPlan, seq_len: int, device: torch.device) -> tuple[torch.Tensor, Any]:
     """Global positions (per row, with per-row documents) and document ids of this rank's queries."""
-    pos, doc = _tokens(plan, seq_len, plan.schedule.ring_rank, device)
+    pos, doc = _tokens(plan, seq_len, _query_rank(plan), device, queries=True)
     return _per_row(pos, doc), doc
 
 
@@ -588,18 +631,18 @@ def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor, caller: str) -> Non
         )
 
 
-def _check_inputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, sinks: torch.Tensor | None
-) -> int:
-    """Validate before any communication; return the global length S."""
-    check_qkv(q, k, v, "ring attention")
-    check_sinks(sinks, q, "ring attention")
-    seq_len = q.shape[1] * plan.layout.world
-    plan.layout.check_length(seq_len)
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan) -> int:
+    """Validate before any communication; return the global length S (a team schedule's caller checks
+    its local q, k, v itself: its rows and blocks differ in length)."""
+    if plan.query_layout is None:
+        check_qkv(q, k, v, "ring attention")
+    layout = _q_layout(plan)
+    seq_len = q.shape[1] * layout.world
+    layout.check_length(seq_len)
     if plan.doc_ids is not None and plan.doc_ids.shape[-1] != seq_len:
         raise ValueError(
             f"doc_ids has {plan.doc_ids.shape[-1]} tokens but the ring holds S = {q.shape[1]} x "
-            f"{plan.layout.world} = {seq_len}; pass document ids of the whole (global-order) sequence"
+            f"{layout.world} = {seq_len}; pass document ids of the whole (global-order) sequence"
         )
     return seq_len
 
@@ -612,6 +655,7 @@ def _only_call(plan: RingPlan, tasks: list[_BlockTask], n: int) -> bool:
     """One ring rank and one kernel call covering the whole block: nothing is ever merged."""
     return (
         plan.schedule.size == 1
+        and plan.query_layout is None  # team rows are merged with the teammates' afterwards
         and len(tasks) == 1
         and _covers(tasks[0].q_rows, n)
         and _covers(tasks[0].k_rows, n)
@@ -699,7 +743,7 @@ class _PairWork:
         else one batched call when the documents have equal lengths), the other tasks one by one."""
         plan, q = self.plan, self.rows.q
         tasks = _cached_tasks(plan, self.seq_len, owner, self.q_pos, self.q_doc)
-        key = ("groups", self.seq_len, plan.schedule.ring_rank, owner, q.shape[0], self.varlen)
+        key = ("groups", self.seq_len, _query_rank(plan), owner, q.shape[0], self.varlen)
 
         def build() -> list[_BlockTask | _VarlenTask]:
             groups = _varlen_groups(tasks, q.shape[0], q.device)
@@ -718,12 +762,12 @@ class _PairWork:
         the whole rectangle."""
         plan, q = self.plan, self.rows.q
         tasks = self._tasks(owner)
-        if plan.schedule.size == 1:  # one step: the parts are the gradients, nothing is accumulated
+        if plan.schedule.size == 1 and plan.query_layout is None:  # the parts are the gradients
             return tasks
         tile = BACKWARD_TILE_MIN
-        key = ("backward", self.seq_len, plan.schedule.ring_rank, owner, q.shape[0], self.varlen, tile)
-        segments = plan.layout.segments(self.seq_len)
-        return _cached(plan, key, q.device, lambda: _backward_tiles(tasks, segments, tile))
+        key = ("backward", self.seq_len, _query_rank(plan), owner, q.shape[0], self.varlen, tile)
+        q_segments, k_segments = _q_layout(plan).segments(self.seq_len), plan.layout.segments(self.seq_len)
+        return _cached(plan, key, q.device, lambda: _backward_tiles(tasks, q_segments, k_segments, tile))
 
     def forward(self, k_blk: torch.Tensor, v_blk: torch.Tensor, owner: int) -> None:
         plan, q, n = self.plan, self.rows.q, self.rows.q.shape[1]
@@ -758,7 +802,8 @@ class _PairWork:
             plan.work.forward_pairs += sum(task.pairs for task in tasks)
             covered = sum(task.segment_pairs for task in tasks)
             plan.work.blocks += covered
-            plan.work.skipped_blocks += len(plan.layout.segments(self.seq_len)) ** 2 - covered
+            pairs = len(_q_layout(plan).segments(self.seq_len)) * len(plan.layout.segments(self.seq_len))
+            plan.work.skipped_blocks += pairs - covered
 
     def backward(
         self,
@@ -991,6 +1036,58 @@ class OutputDelta:
         return delta
 
 
+def engine_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float, merged: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The forward loop: ``(out, lse, S)`` of this rank's query rows over every block the schedule yields,
+    out ``[B, n, H, D]`` and lse ``[B, H, n]`` in the accumulation dtype (fp32, fp64 for fp64 inputs);
+    ``merged``: the caller merges more into them (sinks, a team's partials), so a single kernel call
+    never returns q.dtype. Checks every input first."""
+    seq_len = _check_inputs(q, k, v, plan)
+    rows = _Rows(q, torch.float64 if q.dtype == torch.float64 else torch.float32)
+    work = _pair_work(plan, seq_len, scale, rows, merged=merged)
+    for owner, (k_blk, v_blk) in plan.schedule.forward((k, v)):
+        work.forward(k_blk, v_blk, owner)
+    out, lse = (rows.out, rows.lse) if rows.out is not None else rows.zeros()  # all EMPTY: padding only
+    return out, lse, seq_len
+
+
+def engine_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: RingPlan,
+    scale: float,
+    seq_len: int,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None,
+    merged: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward loop from the FINAL ``lse`` and ``out`` (or Δ = rowsum(dout · out) ``[B, n, H]``) of
+    this rank's query rows: ``(dq, dk, dv)`` in the accumulation dtype, dq of the rows, dk / dv of the
+    K/V payload ``(k, v)`` the schedule started from (returned by its backward)."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rows = _Rows(q, acc, out=out, lse=lse, dout=dout, delta=delta)
+    if _has_padding(plan, q.device):  # padding rows saw no key: inert once here, not per block
+        rows.dout, rows.lse = inert_empty_rows(dout, lse)
+    work = _pair_work(plan, seq_len, scale, rows, merged=merged)
+    steps = plan.schedule.backward((k, v))
+    owner, block = next(steps)
+    while True:
+        grads = list(work.backward(*block, owner, into=plan.schedule.incoming))
+        del block  # the schedule keeps the block while it still needs it
+        try:  # the schedule owns (and empties) the step's dK/dV from here: sent on, freed once delivered
+            owner, block = steps.send(grads)
+        except StopIteration as done:
+            dk_local, dv_local = done.value
+            break
+    dq = rows.dq if rows.dq is not None else torch.zeros_like(q, dtype=acc)
+    return dq, dk_local, dv_local
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -1003,12 +1100,8 @@ class _RingAttention(torch.autograd.Function):
         scale: float,
         delta: OutputDelta | None,
     ):
-        seq_len = _check_inputs(q, k, v, plan, sinks)
-        rows = _Rows(q, torch.float64 if q.dtype == torch.float64 else torch.float32)
-        work = _pair_work(plan, seq_len, scale, rows, merged=sinks is not None)
-        for owner, (k_blk, v_blk) in plan.schedule.forward((k, v)):
-            work.forward(k_blk, v_blk, owner)
-        out, lse = (rows.out, rows.lse) if rows.out is not None else rows.zeros()  # all EMPTY: padding only
+        check_sinks(sinks, q, "ring attention")
+        out, lse, seq_len = engine_forward(q, k, v, plan, scale, merged=sinks is not None)
         if sinks is not None:  # the backward then sees the FINAL (out, lse), sink included
             out, lse = apply_sink(out, lse, sinks)
         ctx.save_for_backward(q, k, v, out if delta is None else None, lse, sinks)
@@ -1019,28 +1112,36 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        plan: RingPlan = ctx.plan
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         delta = None if ctx.delta is None else ctx.delta.take(q)
-        rows = _Rows(q, acc, out=out, lse=lse, dout=dout, delta=delta)
-        if _has_padding(plan, q.device):  # padding rows saw no key: inert once here, not per block
-            rows.dout, rows.lse = inert_empty_rows(dout, lse)
-        work = _pair_work(plan, ctx.seq_len, ctx.scale, rows, merged=sinks is not None)
-        steps = plan.schedule.backward((k, v))
-        owner, block = next(steps)
-        while True:
-            grads = list(work.backward(*block, owner, into=plan.schedule.incoming))
-            del block  # the schedule keeps the block while it still needs it
-            try:  # the schedule owns (and empties) the step's dK/dV from here: sent on, freed once delivered
-                owner, block = steps.send(grads)
-            except StopIteration as done:
-                dk_local, dv_local = done.value
-                break
-        dq = rows.dq if rows.dq is not None else torch.zeros_like(q, dtype=acc)
+        dq, dk_local, dv_local = engine_backward(
+            q,
+            k,
+            v,
+            ctx.plan,
+            ctx.scale,
+            ctx.seq_len,
+            dout,
+            lse,
+            out=out,
+            delta=delta,
+            merged=sinks is not None,
+        )
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             dsinks = sink_grad(dout, out, lse, sinks).to(sinks.dtype)
         return dq.to(q.dtype), dk_local.to(k.dtype), dv_local.to(v.dtype), dsinks, None, None, None
+
+
+def plan_layouts(schedule: Schedule, base: SeqLayout) -> tuple[Any, Any]:
+    """``(layout, query_layout)`` of a ring plan for ``schedule`` over the ring layout ``base``: the base
+    itself for ring-shaped schedules; pieces of its shards for TASP (``pieces``); the groups of a team
+    schedule (``key_groups`` / ``query_groups``: StarTrail's teams, ATTENTION2D's columns and rows)."""
+    if hasattr(schedule, "key_groups"):
+        return GroupLayout(base, schedule.key_groups), GroupLayout(base, schedule.query_groups)
+    pieces = getattr(schedule, "pieces", 1)
+    if pieces > 1:
+        return PieceLayout(base, pieces), base
+    return base, None
 
 
 def ring_attention(

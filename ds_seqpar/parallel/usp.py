@@ -31,8 +31,10 @@ from ds_seqpar.parallel.ring import (
     build_schedule,
     check_qkv,
     check_sinks,
+    plan_layouts,
     ring_attention,
 )
+from ds_seqpar.parallel.team import team_attention
 from ds_seqpar.parallel.ulysses import gather_heads, local_sinks, scatter_heads
 from ds_seqpar.parallel.ulysses_pipeline import HeadGroups, pipelined_ulysses
 
@@ -43,7 +45,7 @@ def _schedule(mesh: SeqParMesh):
     """The mesh's ring schedule, built once and reused (it owns the double-buffered receive buffers)."""
     cfg = mesh.settings
     kind, overlap = cfg.ring.schedule, cfg.ring.overlap
-    key = f"ring_schedule:{kind}:{overlap}"
+    key = f"ring_schedule:{kind}:{overlap}:{cfg.ring.team_size}:{cfg.ring.grid}:{cfg.ring_layout[0]}"
     if key not in mesh.resources:
         mesh.resources[key] = build_schedule(mesh, kind, overlap)
     return mesh.resources[key]
@@ -179,15 +181,20 @@ def attention(
             softcap=softcap,
             sinks=sinks,
         )
+    schedule = _schedule(mesh)
+    kv_layout, query_layout = plan_layouts(schedule, layout.ring)
     plan = RingPlan(
-        _schedule(mesh),
-        layout.ring,
+        schedule,
+        kv_layout,
         MaskSpec(causal=causal, window=window),
         doc_ids,
         kernel,
         work,
         softcap=softcap,
+        query_layout=query_layout,
     )
+    team = hasattr(schedule, "team_comm")  # StarTrail / ATTENTION2D: parallel/team.py
+    run = team_attention if team else ring_attention
     heads = HeadPlan.build(q.shape[2], k.shape[2], mesh.ulysses_size)
     groups = _head_groups(mesh, heads)
     if groups is not None:
@@ -195,12 +202,12 @@ def attention(
         def attend(
             q_g: torch.Tensor, k_g: torch.Tensor, v_g: torch.Tensor, sinks_g: torch.Tensor | None
         ) -> torch.Tensor:
-            return ring_attention(q_g, k_g, v_g, plan, softmax_scale, sinks_g)[0]
+            return run(q_g, k_g, v_g, plan, softmax_scale, sinks_g)[0]
 
         return pipelined_ulysses(q, k, v, heads, groups, mesh, attend, sinks)
     q2, k2, v2 = scatter_heads(q, k, v, heads, mesh, separate=mesh.ring_size > 1)
-    if sinks is not None or mesh.sp_size == 1:  # one rank: nothing is kept twice
-        out, _ = ring_attention(q2, k2, v2, plan, softmax_scale, local_sinks(sinks, heads, mesh))
+    if sinks is not None or mesh.sp_size == 1 or team:  # one rank: nothing is kept twice
+        out, _ = run(q2, k2, v2, plan, softmax_scale, local_sinks(sinks, heads, mesh))
         return gather_heads(out, heads, mesh)
     delta = OutputDelta()
     out, _ = ring_attention(q2, k2, v2, plan, softmax_scale, delta=delta)

@@ -1,0 +1,234 @@
+"""TASP: d − 1 concurrent rings inside an all-to-all domain, one per Hamiltonian cycle (docs/schedules.md).
+
+Legend: d = ranks of the domain (the inner ring of the double ring, or the whole ring), p = d − 1
+rings = pieces per block, n local tokens, R_out = outer ring size (1 without an outer ring).
+
+A ring uses one outgoing link per rank; inside an NVSwitch / Infinity-Fabric node every pair of ranks
+has its own. Here every rank's K/V block is cut into p pieces (``layout.PieceLayout``: the c-th equal
+part of each layout segment, so under zigzag each piece is itself balanced: the causal "zigzag per
+cycle") and piece c travels the Hamiltonian cycle c of ``comm/hamiltonian.py``. The p cycles use every
+ordered pair of the domain once, so one step of all p rings is ONE batched exchange in which each rank
+sends one message on each of its p outgoing links:
+
+    bytes per rank and step   = the ring's (2·B·n·H_kv·D·b), spread over p links
+    busiest link per step     = the ring's / p
+    steps                     = d (the own block, then d − 1 exchanges), as the ring
+
+Backward: the K/V pieces circulate again and each carries its dK/dV accumulator, which after d
+sends arrives at the piece's owner (as the ring's). With an outer ring (``ring.inner_size`` = d < R)
+the block that arrives on the outer ring circulates the domain exactly like the double ring's inner ring
+(``comm/p2p.py``), and the assembled accumulator then travels the outer ring home.
+
+Owners yielded are piece ranks of ``layout.PieceLayout(ring layout, p)``: ``ring_rank · p + c`` (the
+engine builds that layout from ``pieces``, ``parallel/ring.py`` ``plan_layouts``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ds_seqpar.comm.hamiltonian import hamiltonian_decomposition
+from ds_seqpar.comm.p2p import TAG_GRAD, TAG_KV, Block, Payload, PendingExchange, RingComm, accumulate_into
+from ds_seqpar.comm.stats import CommStats
+
+
+class CycleComm:
+    """The p = d − 1 Hamiltonian cycles of one domain: this rank's successor and predecessor on each.
+
+    Args:
+        group: the domain's process group; members: its global ranks in domain order; index: this rank's
+            position; stats: counter (kind ``"p2p"``, one message per batched exchange, bytes per peer).
+    """
+
+    def __init__(
+        self, group: object, members: Sequence[int], index: int, stats: CommStats | None = None
+    ) -> None:
+        self.group, self.members, self.index, self.stats = group, list(members), index, stats
+        cycles = hamiltonian_decomposition(len(self.members))
+        self.succ, self.pred = [], []
+        for cycle in cycles:
+            at = cycle.index(index)
+            self.succ.append(self.members[cycle[(at + 1) % len(cycle)]])
+            self.pred.append(self.members[cycle[at - 1]])
+        self._pred_index = [[c[(c.index(index) - s) % len(c)] for s in range(len(c))] for c in cycles]
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def cycles(self) -> int:
+        return self.size - 1
+
+    def origin(self, cycle: int, step: int) -> int:
+        """Domain index whose piece this rank holds on ``cycle`` after ``step`` exchanges."""
+        return self._pred_index[cycle][step]
+
+    def exchange(self, pieces: list[Payload], tag: int) -> PendingExchange:
+        """Send piece c to its cycle-c successor and receive one like it from the cycle-c predecessor,
+        for every cycle at once (one batched exchange); returns the received pieces flattened in cycle order."""
+        ops, received, sent = [], [], {}
+        for c, payload in enumerate(pieces):
+            payload = tuple(t.contiguous() for t in payload)
+            got = tuple(torch.empty_like(t) for t in payload)
+            ops += [dist.P2POp(dist.isend, t, self.succ[c], self.group, tag) for t in payload]
+            ops += [dist.P2POp(dist.irecv, r, self.pred[c], self.group, tag) for r in got]
+            received += got
+            sent[self.succ[c]] = sum(t.numel() * t.element_size() for t in payload)
+        if self.stats is not None:
+            self.stats.record_peers("p2p", sent)
+        return PendingExchange(dist.batch_isend_irecv(ops), tuple(received))
+
+
+def _regroup(flat: Payload, cycles: int) -> list[Payload]:
+    """A flattened exchange result back into one payload per cycle."""
+    width = len(flat) // cycles
+    return [tuple(flat[c * width : (c + 1) * width]) for c in range(cycles)]
+
+
+class TaspSchedule:
+    """TASP over a domain (``inner``), optionally inside an outer ring (``outer``); the ``Schedule`` protocol.
+
+    Args:
+        inner: the domain's cycles. outer: the outer ring (None or size 1: the domain is the ring).
+        segments: segments per rank of the ring layout (zigzag 2, else 1); pieces cut each of them.
+        overlap: post the next exchange before the current step's compute.
+    """
+
+    def __init__(self, inner: CycleComm, outer: RingComm | None, segments: int, overlap: bool = True) -> None:
+        self.inner, self.outer, self.segments, self.overlap = inner, outer, segments, overlap
+        self._incoming: PendingExchange | None = None
+        self._cycle = 0
+
+    @property
+    def pieces(self) -> int:
+        return self.inner.cycles
+
+    @property
+    def outer_size(self) -> int:
+        return 1 if self.outer is None else self.outer.size
+
+    @property
+    def size(self) -> int:
+        return self.inner.size * self.outer_size
+
+    @property
+    def ring_rank(self) -> int:
+        return (0 if self.outer is None else self.outer.index) * self.inner.size + self.inner.index
+
+    @property
+    def query_rank(self) -> int:
+        return self.ring_rank
+
+    def _owner(self, t: int, cycle: int, step: int) -> int:
+        o = 0 if self.outer is None else self.outer.index
+        ring_rank = ((o - t) % self.outer_size) * self.inner.size + self.inner.origin(cycle, step)
+        return ring_rank * self.pieces + cycle
+
+    def _cut(self, payload: Payload) -> list[Payload]:
+        """Piece c of every tensor ``[B, n, ...]``: the c-th equal part of each segment."""
+        p, s = self.pieces, self.segments
+        out = []
+        for c in range(p):
+            out.append(tuple(t.unflatten(1, (s, p, -1))[:, :, c].flatten(1, 2) for t in payload))
+        return out
+
+    def _join(self, pieces: list[Payload]) -> Payload:
+        """The inverse of ``_cut``: pieces back into whole tensors in local order."""
+        p, s = self.pieces, self.segments
+        width = len(pieces[0])
+        joined = []
+        for j in range(width):
+            parts = [pieces[c][j].unflatten(1, (s, -1)) for c in range(p)]  # [B, s, L, ...] each
+            joined.append(torch.stack(parts, dim=2).flatten(1, 3))
+        return tuple(joined)
+
+    def incoming(self) -> Payload | None:
+        """The dK/dV accumulator that arrived with the piece being computed on, or None (its first step)."""
+        if self._incoming is None:
+            return None
+        return _regroup(self._incoming.wait(), self.pieces)[self._cycle]
+
+    def forward(self, kv: Payload) -> Iterator[Block]:
+        """Yield every piece of every ring rank's K/V block once, this rank's own first."""
+        try:
+            yield from self._forward(kv)
+        finally:
+            if self.outer is not None:
+                self.outer.release()
+
+    def _forward(self, kv: Payload) -> Iterator[Block]:
+        d = self.inner.size
+        outer_cur = kv
+        for t in range(self.outer_size):
+            outer_next = None
+            if t + 1 < self.outer_size and self.overlap:
+                outer_next = self.outer.exchange(outer_cur)
+            held = self._cut(outer_cur)
+            for step in range(d):
+                pending = None
+                if step + 1 < d and self.overlap:
+                    pending = self.inner.exchange(held, TAG_KV)
+                for c in range(self.pieces):
+                    yield self._owner(t, c, step), held[c]
+                if step + 1 < d:
+                    held = _regroup((pending or self.inner.exchange(held, TAG_KV)).wait(), self.pieces)
+            if t + 1 < self.outer_size:
+                outer_cur = (outer_next or self.outer.exchange(outer_cur)).wait()
+
+    def backward(self, kv: Payload) -> Generator[Block, list[torch.Tensor], Payload]:
+        """Yield every piece again; ``send()`` back its gradients; return this rank's own dK/dV.
+
+        Each piece's accumulator follows it on its cycle (one batched exchange per step for all cycles)
+        and reaches the piece's owner after d sends; with an outer ring the assembled accumulator then
+        travels the outer ring like the double ring's."""
+        try:
+            return (yield from self._backward(kv))
+        finally:
+            self._incoming = None
+            if self.outer is not None:
+                self.outer.release()
+
+    def _backward(self, kv: Payload) -> Generator[Block, list[torch.Tensor], Payload]:
+        d, p = self.inner.size, self.pieces
+        outer_cur: Payload | None = kv
+        outer_acc: PendingExchange | None = None
+        acc: list[torch.Tensor] = []
+        for t in range(self.outer_size):
+            outer_next = None
+            if t + 1 < self.outer_size and self.overlap:
+                outer_next = self.outer.exchange(outer_cur)
+            held = self._cut(outer_cur)
+            if t + 1 == self.outer_size:
+                outer_cur = None
+            arrived: PendingExchange | None = None
+            for step in range(d):
+                pending = None
+                if step + 1 < d and self.overlap:
+                    pending = self.inner.exchange(held, TAG_KV)
+                sums: list[Payload] = []
+                for c in range(p):
+                    self._incoming, self._cycle = arrived, c
+                    grads = yield self._owner(t, c, step), held[c]
+                    self._incoming = None
+                    into = None if arrived is None else _regroup(arrived.wait(), p)[c]
+                    sums.append(tuple(accumulate_into(into, grads)))
+                if step + 1 < d:
+                    held = _regroup((pending or self.inner.exchange(held, TAG_KV)).wait(), p)
+                else:
+                    held = []
+                arrived = self.inner.exchange(sums, TAG_GRAD)  # the last send brings each piece's home
+                del sums
+            acc = list(self._join(_regroup(arrived.wait(), p)))
+            if self.outer_size > 1:
+                acc = accumulate_into(None if outer_acc is None else list(outer_acc.wait()), acc)
+                outer_acc = self.outer.exchange(tuple(acc), TAG_GRAD)
+                acc = []
+            if t + 1 < self.outer_size:
+                outer_cur = (outer_next or self.outer.exchange(outer_cur)).wait()
+        if outer_acc is not None:
+            acc = list(outer_acc.wait())
+        return tuple(acc)
