@@ -537,11 +537,17 @@ def test_backward_cuts_full_rectangles_at_segments_and_into_tiles():
     assert got[5] is small and got[6] is masked and len(got) == 7
     assert sum(t.pairs for t in got[:2]) == joined.pairs
 
-    tiled = _backward_tiles([joined], segments, segments, min_rows=2)  # 8-row segments: 4 x 4 tiles of 2 rows each
+    tiled = _backward_tiles(
+        [joined], segments, segments, min_rows=2
+    )  # 8-row segments: 4 x 4 tiles of 2 rows each
     assert len(tiled) == 32 and {t.q_rows.stop - t.q_rows.start for t in tiled} == {2}
     assert sum(t.pairs for t in tiled) == joined.pairs
-    assert len(_backward_tiles([joined], segments, segments, min_rows=3)) == 8  # 8 // 3 = 2 tiles a side per pair
-    causal_tiles = _backward_tiles([causal], segments, segments, min_rows=2)  # 8 x 8 tiles of 2: 8 diagonal, 28 below
+    assert (
+        len(_backward_tiles([joined], segments, segments, min_rows=3)) == 8
+    )  # 8 // 3 = 2 tiles a side per pair
+    causal_tiles = _backward_tiles(
+        [causal], segments, segments, min_rows=2
+    )  # 8 x 8 tiles of 2: 8 diagonal, 28 below
     assert [t.kind for t in causal_tiles].count(BlockKind.CAUSAL) == 8 and len(causal_tiles) == 36
     assert sum(t.pairs for t in causal_tiles if t.kind is BlockKind.FULL) + 8 * 3 == 16 * 17 // 2
     across = _BlockTask(slice(2, 6), slice(0, 16), BlockKind.FULL, None)  # one task over two key segments

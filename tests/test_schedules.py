@@ -55,7 +55,14 @@ def run_schedule_cases(cases: list[dict]) -> list[dict]:
         work = WorkCounter()
         with mesh.comm_stats.measure() as fwd:
             out = attention(
-                ql, kl, vl, mesh=mesh, causal=case["causal"], window=case.get("window"), doc_ids=docs, work=work
+                ql,
+                kl,
+                vl,
+                mesh=mesh,
+                causal=case["causal"],
+                window=case.get("window"),
+                doc_ids=docs,
+                work=work,
             )
         with mesh.comm_stats.measure() as bwd:
             out.backward(dl)
@@ -105,7 +112,9 @@ def _matrix(world: int, schedule: dict, seq_len: int, seed: int) -> list[dict]:
     """causal x layout x MHA/GQA in fp64, plus fp32, packed documents and a window."""
     cases = []
     for causal, layout, h_kv in itertools.product((True, False), ("zigzag", "contiguous"), (H, 1)):
-        cases.append(dict(schedule, layout=layout, causal=causal, h_kv=h_kv, dtype=torch.float64, seq_len=seq_len))
+        cases.append(
+            dict(schedule, layout=layout, causal=causal, h_kv=h_kv, dtype=torch.float64, seq_len=seq_len)
+        )
     cases.append(dict(schedule, layout="zigzag", causal=True, h_kv=2, dtype=torch.float32, seq_len=seq_len))
     cases.append(
         dict(schedule, layout="zigzag", causal=True, h_kv=2, dtype=torch.float64, seq_len=seq_len,
@@ -115,7 +124,9 @@ def _matrix(world: int, schedule: dict, seq_len: int, seed: int) -> list[dict]:
         dict(schedule, layout="contiguous", causal=False, h_kv=2, dtype=torch.float64, seq_len=seq_len,
              cu_seqlens=[0, 7, seq_len])
     )  # fmt: skip
-    cases.append(dict(schedule, layout="zigzag", causal=True, window=5, h_kv=1, dtype=torch.float64, seq_len=seq_len))
+    cases.append(
+        dict(schedule, layout="zigzag", causal=True, window=5, h_kv=1, dtype=torch.float64, seq_len=seq_len)
+    )
     return [dict(c, seed=seed + i) for i, c in enumerate(cases)]
 
 
@@ -135,7 +146,9 @@ def test_startrail_matches_dense_reference(dist_pool, world):
     for w, c in STARTRAIL:
         if w == world:
             for backward in ("kv",):
-                cases += _matrix(world, dict(schedule="startrail", team_size=c, startrail_backward=backward), 16 * w, 10)
+                cases += _matrix(
+                    world, dict(schedule="startrail", team_size=c, startrail_backward=backward), 16 * w, 10
+                )
     _run(dist_pool(world), cases)
 
 
