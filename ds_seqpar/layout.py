@@ -72,17 +72,26 @@ class SeqLayout(_PositionLayout):
         kind: ``contiguous`` | ``zigzag`` | ``stripe``.
         world: number of ranks sharing the sequence (the ring degree).
         granularity: stripe width G in tokens (``stripe`` only).
+        team: ``zigzag`` over world / team teams of ``team`` consecutive ranks (StarTrail's balanced
+            layout): team t holds chunks t and 2T − 1 − t of 2T, member k the k-th equal part of each.
+            1 = the rank-level zigzag.
     """
 
     kind: str
     world: int
     granularity: int = 1
+    team: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in LAYOUTS:
             raise LayoutError(f"layout={self.kind!r} is not a layout; valid: {', '.join(LAYOUTS)}")
         if self.world < 1:
             raise LayoutError(f"layout world={self.world} must be >= 1 (the number of ring ranks)")
+        if self.team < 1 or self.world % self.team or (self.team > 1 and self.kind != "zigzag"):
+            raise LayoutError(
+                f"team={self.team} needs layout='zigzag' and must divide the {self.world} ranks (layout is "
+                f"{self.kind!r})"
+            )
         if self.granularity < 1:
             raise LayoutError(f"stripe granularity={self.granularity} must be >= 1")
         if self.kind != "stripe" and self.granularity != 1:
@@ -128,10 +137,13 @@ class SeqLayout(_PositionLayout):
         p, n = self.world, seq_len // self.world
         if self.kind == "contiguous":
             return torch.arange(rank * n, (rank + 1) * n)
-        if self.kind == "zigzag":
-            m = n // 2
-            first = torch.arange(rank * m, (rank + 1) * m)
-            second = torch.arange((2 * p - 1 - rank) * m, (2 * p - rank) * m)
+        if self.kind == "zigzag":  # over teams of ``team`` ranks: each chunk shared by the team's members
+            teams, (t, k) = p // self.team, divmod(rank, self.team)
+            chunk, m = seq_len // (2 * teams), n // 2
+            first = torch.arange(t * chunk + k * m, t * chunk + (k + 1) * m)
+            second = torch.arange(
+                (2 * teams - 1 - t) * chunk + k * m, (2 * teams - 1 - t) * chunk + (k + 1) * m
+            )
             return torch.cat([first, second])
         g = self.granularity
         blocks = torch.arange(rank, seq_len // g, p)
@@ -410,7 +422,7 @@ def input_layout(mesh: Any) -> UspLayout:
     """The layout the data side must shard with for a ``SeqParMesh`` and its config: the ring layout over
     the R ring ranks (``sequence_parallel.ring.layout``, or sparse balancing stripes), then each ring
     shard split into U Ulysses pieces."""
-    kind, granularity = mesh.settings.ring_layout
-    return UspLayout(
-        SeqLayout(kind, mesh.ring_size, granularity), mesh.ulysses_size, mesh.settings.ring_pieces
-    )
+    cfg = mesh.settings
+    kind, granularity = cfg.ring_layout
+    team = cfg.ring.team_size if cfg.ring.schedule == "startrail" and kind == "zigzag" else 1
+    return UspLayout(SeqLayout(kind, mesh.ring_size, granularity, team), mesh.ulysses_size, cfg.ring_pieces)

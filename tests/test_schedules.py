@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ds_seqpar import SeqParMesh
+from ds_seqpar.comm import model
 from ds_seqpar.config import SequenceParallelConfig
 from ds_seqpar.layout import doc_ids_from_cu_seqlens, input_layout
 from ds_seqpar.ops.masks import MaskSpec
@@ -27,7 +28,12 @@ def _config(world: int, case: dict) -> SequenceParallelConfig:
     for key in ("team_size", "grid", "inner_size", "startrail_backward"):
         if case.get(key) is not None:
             ring[key] = case[key]
-    section = SequenceParallelConfig(size=world, ulysses_degree=case.get("u", 1), ring=ring)
+    section = SequenceParallelConfig(
+        size=world,
+        ulysses_degree=case.get("u", 1),
+        ring=ring,
+        ranks_per_node=case.get("ranks_per_node", "auto"),
+    )
     return section.validate(None, world)
 
 
@@ -78,10 +84,10 @@ def run_schedule_cases(cases: list[dict]) -> list[dict]:
             {
                 "errors": errors,
                 "work": work.forward_pairs,
-                "fwd_peers": fwd.peer_bytes(),
-                "bwd_peers": bwd.peer_bytes(),
-                "fwd": fwd.as_dict(),
-                "bwd": bwd.as_dict(),
+                "fwd_peers": dict(fwd.peers),
+                "bwd_peers": dict(bwd.peers),
+                "fwd_links": fwd.link_bytes(),
+                "bwd_links": bwd.link_bytes(),
             }
         )
     return results
@@ -145,7 +151,7 @@ def test_startrail_matches_dense_reference(dist_pool, world):
     cases = []
     for w, c in STARTRAIL:
         if w == world:
-            for backward in ("kv",):
+            for backward in ("kv", "query"):
                 cases += _matrix(
                     world, dict(schedule="startrail", team_size=c, startrail_backward=backward), 16 * w, 10
                 )
@@ -168,3 +174,130 @@ def test_tasp_matches_dense_reference(dist_pool, world):
         if w == world:
             cases += _matrix(world, dict(schedule="tasp", inner_size=inner), _tasp_len(world, inner), 30)
     _run(dist_pool(world), cases)
+
+
+def test_schedules_under_ulysses(dist_pool):
+    """U x schedule: Ulysses 2 outside a ring of 4 run by each topology-aware schedule."""
+    schedules = [
+        dict(schedule="startrail", team_size=2, startrail_backward="auto"),
+        dict(schedule="attention2d", grid=[2, 2]),
+        dict(schedule="tasp", inner_size=2),
+    ]
+    cases = []
+    for i, (schedule, causal) in enumerate(itertools.product(schedules, (True, False))):
+        cases.append(
+            dict(
+                schedule,
+                u=2,
+                layout="zigzag",
+                causal=causal,
+                h_kv=2,
+                dtype=torch.float64,
+                seq_len=64,
+                seed=40 + i,
+            )
+        )
+    _run(dist_pool(8), cases)
+
+
+def _balance_cases(world: int) -> list[dict]:
+    base = dict(layout="zigzag", causal=True, h_kv=1, dtype=torch.float32, seed=50)
+    return [
+        dict(base, schedule="startrail", team_size=2, seq_len=2 * world * 32),
+        dict(base, schedule="attention2d", grid=[2, world // 2], seq_len=2 * world * 32),
+        dict(base, schedule="tasp", inner_size=None if world not in (4, 6) else 2, seq_len=2 * world * 7 * 8),
+    ]
+
+
+def test_causal_balance_of_each_schedule_with_zigzag(dist_pool):
+    """Work counter max / mean <= 1.05 for every schedule with its balanced (zigzag) layout."""
+    cases = _balance_cases(8)
+    for case, per_rank in zip(cases, _run(dist_pool(8), cases)):
+        work = [r["work"] for r in per_rank]
+        assert max(work) / (sum(work) / len(work)) <= 1.05, (case["schedule"], work)
+
+
+@pytest.mark.slow
+def test_schedules_at_p16(dist_pool):
+    """P = 16: StarTrail C in {1, 2, 4}, TASP as the inner ring (8) of a double ring, ATTENTION2D 4 x 4."""
+    cases = []
+    for c in (1, 2, 4):
+        for causal, layout in itertools.product((True, False), ("zigzag", "contiguous")):
+            cases.append(dict(schedule="startrail", team_size=c, layout=layout, causal=causal, h_kv=2,
+                              dtype=torch.float64, seq_len=128))  # fmt: skip
+    for causal, h_kv in itertools.product((True, False), (H, 1)):
+        cases.append(dict(schedule="tasp", inner_size=8, layout="zigzag", causal=causal, h_kv=h_kv,
+                          dtype=torch.float64, seq_len=2 * 16 * 7))  # fmt: skip
+        cases.append(dict(schedule="attention2d", grid=[4, 4], layout="zigzag", causal=causal, h_kv=h_kv,
+                          dtype=torch.float64, seq_len=128))  # fmt: skip
+    _run(dist_pool(16), [dict(c, seed=60 + i) for i, c in enumerate(cases)])
+
+
+def _model_peers(case: dict, world: int, rank: int, backward: bool) -> dict[tuple[str, int], int]:
+    """The model's bytes of ring rank ``rank`` (U = 1: ring rank = global rank), keyed like CommStats."""
+    elt = case["dtype"].itemsize
+    shape = model.LayerShape.of(2, case["seq_len"] // world, H, case["h_kv"], 8, elt)
+    kind = case.get("startrail_backward", "kv")
+    if kind == "auto":
+        kind = model.startrail_backward_choice(shape, case.get("team_size") or 1)
+    peers = model.peer_bytes(
+        case["schedule"], shape, world, rank, backward=backward, inner=case.get("inner_size"),
+        team_size=case.get("team_size"), grid=tuple(case["grid"]) if case.get("grid") else None,
+        segments=2 if case["layout"] == "zigzag" else 1, startrail_backward=kind,
+    )  # fmt: skip
+    return {(k, peer): n for peer, kinds in peers.items() for k, n in kinds.items()}
+
+
+def _byte_cases() -> list[dict]:
+    base = dict(layout="zigzag", causal=True, dtype=torch.float32, seq_len=2 * 8 * 7 * 2)
+    cases = [
+        dict(base, schedule="p2p", h_kv=2),
+        dict(base, schedule="p2p", inner_size=4, h_kv=2),
+        dict(base, schedule="all_gather", h_kv=2),
+        dict(base, schedule="tasp", h_kv=2),
+        dict(base, schedule="tasp", inner_size=2, h_kv=1),
+        dict(base, schedule="startrail", team_size=2, startrail_backward="kv", h_kv=2, ranks_per_node=2),
+        dict(base, schedule="startrail", team_size=2, startrail_backward="query", h_kv=H, ranks_per_node=2),
+        dict(base, schedule="startrail", team_size=2, startrail_backward="auto", h_kv=1),
+        dict(base, schedule="startrail", team_size=1, h_kv=2),
+        dict(base, schedule="attention2d", grid=[2, 4], h_kv=2, ranks_per_node=4),
+        dict(base, schedule="attention2d", grid=[4, 2], h_kv=1, layout="contiguous"),
+    ]
+    return [dict(c, seed=70 + i) for i, c in enumerate(cases)]
+
+
+def test_counted_bytes_equal_the_model_per_peer(dist_pool):
+    """Every byte each rank sends, per collective kind and per peer, equals comm/model.py exactly (forward
+    and backward), nothing is unattributed, and link classes follow ranks_per_node; TASP's busiest link
+    carries the ring's / (d - 1), StarTrail sends the ring's inter-node bytes / C plus the skew hop."""
+    world = 8
+    cases = _byte_cases()
+    per_case = _run(dist_pool(world), cases)
+    for case, per_rank in zip(cases, per_case):
+        for rank, got in enumerate(per_rank):
+            for backward, key in ((False, "fwd_peers"), (True, "bwd_peers")):
+                assert got[key] == _model_peers(case, world, rank, backward), (case, rank, backward)
+            for links in (got["fwd_links"], got["bwd_links"]):
+                assert links["unattributed"] == 0, (case, rank, links)
+            nodes = model.node_map(world, case.get("ranks_per_node", world))
+            want = model.classify(model.peer_bytes(
+                case["schedule"], model.LayerShape.of(2, case["seq_len"] // world, H, case["h_kv"], 8, 4), world,
+                rank, backward=False, inner=case.get("inner_size"), team_size=case.get("team_size"),
+                grid=tuple(case["grid"]) if case.get("grid") else None, segments=2 if case["layout"] == "zigzag" else 1,
+            ), rank, nodes)  # fmt: skip
+            assert (got["fwd_links"]["intra"], got["fwd_links"]["inter"]) == (want.intra, want.inter), (
+                case,
+                rank,
+            )
+    ring, tasp = per_case[0], per_case[3]
+    for rank in range(world):
+        ring_link = max(ring[rank]["fwd_peers"].values())
+        tasp_links = [n for (kind, _), n in tasp[rank]["fwd_peers"].items() if kind == "p2p"]
+        assert len(tasp_links) == world - 1 and max(tasp_links) * (world - 1) == ring_link
+    n_kv = 2 * 2 * (cases[5]["seq_len"] // world) * 2 * 8 * 4  # 2·E_kv·b of one rank (B 2, h_kv 2, D 8, fp32)
+    for rank, got in enumerate(per_case[5]):
+        team_size, m, member = 2, world // 4, rank % 2
+        assert got["fwd_links"]["inter"] == ((m - 1) + (member > 0)) * team_size * n_kv, (
+            rank,
+            got["fwd_links"],
+        )

@@ -293,7 +293,8 @@ def peer_bytes(
     ``schedule``: ``p2p`` (single ring, or double ring with ``inner`` = R_in), ``all_gather``, ``tasp``
     (domain d = ``inner`` or R; ``segments`` = runs of the token layout: 2 for zigzag, else 1),
     ``startrail`` (``team_size`` = C, ``startrail_backward`` = kv | query), ``attention2d``
-    (``grid`` = (P_q, P_kv)). Formulas: module docstring legend, docs/comm_model.md.
+    (``grid`` = (P_q, P_kv)). Parameters a schedule does not use are ignored (``inner`` by all_gather,
+    as ``comm_volume.ring_bytes`` does). Formulas: docs/comm_model.md "Bytes per peer".
     """
     _check_ring(ring, rank)
     if schedule not in SCHEDULES:

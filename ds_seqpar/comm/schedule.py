@@ -112,11 +112,8 @@ def _startrail(mesh: Any, overlap: bool) -> Schedule:
         ahead, behind = ((t + k * m) % teams) * size + k, ((t - k * m) % teams) * size + k
         skew = ShiftComm(ring_group, ring_members[ahead], ring_members[behind], stats)
         unskew = ShiftComm(ring_group, ring_members[behind], ring_members[ahead], stats)
-    schedule = StarTrailSchedule(subring, skew, unskew, t, k, size, teams)
-    schedule.team_comm = TeamComm(group, members, index, stats)
-    schedule.key_groups = schedule.query_groups = tuple(tuple(p) for p in team_parts(r, size))
-    schedule.gathers_kv = True
-    return schedule
+    teams_of = tuple(tuple(p) for p in team_parts(r, size))
+    return StarTrailSchedule(subring, skew, unskew, TeamComm(group, members, index, stats), teams_of, t, k)
 
 
 def _attention2d(mesh: Any, overlap: bool) -> Schedule:
@@ -125,14 +122,8 @@ def _attention2d(mesh: Any, overlap: bool) -> Schedule:
     row_parts, col_parts = grid_parts(rows, cols)
     row = TeamComm(*mesh.ring_subgroup(f"grid_rows_{rows}x{cols}", row_parts), stats)
     column = TeamComm(*mesh.ring_subgroup(f"grid_cols_{rows}x{cols}", col_parts), stats)
-    schedule = GridColumnSchedule(column, i, j, cols)
-    schedule.team_comm = row
-    schedule.query_groups, schedule.key_groups = (
-        tuple(tuple(p) for p in row_parts),
-        tuple(tuple(p) for p in col_parts),
-    )
-    schedule.gathers_kv = False
-    return schedule
+    rows_of, cols_of = tuple(tuple(p) for p in row_parts), tuple(tuple(p) for p in col_parts)
+    return GridColumnSchedule(row, column, rows_of, cols_of, i, j)
 
 
 SCHEDULES: dict[str, Callable[[Any, bool], Schedule]] = {

@@ -122,21 +122,27 @@ class StarTrailSchedule:
     Args:
         subring: the single ``RingSchedule`` over this member's sub-ring (m ranks, in team-offset order).
         skew: the skew hop (None for member 0); unskew: its reverse, which returns the accumulators.
-        team: this rank's team index t; member: its index k in the team; team_size: C; teams: T.
+        team_comm: the team's collectives (``parallel/team.py`` gathers and merges with them).
+        groups: the ring ranks of every team (the query rows and the K/V blocks both are teams).
+        team: this rank's team index t; member: its index k in the team.
     """
+
+    gathers_kv = True  # the team's K/V are gathered like its queries: blocks are whole teams
 
     def __init__(
         self,
         subring: RingSchedule,
         skew: ShiftComm | None,
         unskew: ShiftComm | None,
+        team_comm: TeamComm,
+        groups: tuple[tuple[int, ...], ...],
         team: int,
         member: int,
-        team_size: int,
-        teams: int,
     ) -> None:
-        self.subring, self.skew, self.unskew = subring, skew, unskew
-        self.team, self.member, self.team_size, self.teams = team, member, team_size, teams
+        self.subring, self.skew, self.unskew, self.team_comm = subring, skew, unskew, team_comm
+        self.query_groups = self.key_groups = groups
+        self.team, self.member = team, member
+        self.team_size, self.teams = len(groups[0]), len(groups)
 
     @property
     def m(self) -> int:
@@ -191,11 +197,24 @@ class GridColumnSchedule:
     """ATTENTION2D's K/V side: the column's K/V as one block; dK/dV reduce-scattered over the column.
 
     Args:
-        column: the column's ``TeamComm`` (P_q ranks). row, col: this rank's grid coordinates.
+        row: the grid row's ``TeamComm`` (P_kv ranks: the query team); column: the column's (P_q ranks).
+        rows, cols: the ring ranks of every grid row and column (query and K/V groups).
+        i, j: this rank's grid coordinates.
     """
 
-    def __init__(self, column: TeamComm, row: int, col: int, cols: int) -> None:
-        self.column, self.row, self.col, self.cols = column, row, col, cols
+    gathers_kv = False  # K/V are gathered over the column, by this schedule
+
+    def __init__(
+        self,
+        row: TeamComm,
+        column: TeamComm,
+        rows: tuple[tuple[int, ...], ...],
+        cols: tuple[tuple[int, ...], ...],
+        i: int,
+        j: int,
+    ) -> None:
+        self.team_comm, self.column, self.query_groups, self.key_groups = row, column, rows, cols
+        self.row, self.col, self.cols = i, j, len(cols)
 
     @property
     def size(self) -> int:

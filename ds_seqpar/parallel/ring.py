@@ -50,6 +50,7 @@ __all__ = [
     "check_qkv",
     "engine_backward",
     "engine_forward",
+    "engine_pair_backward",
     "plan_layouts",
     "ring_attention",
 ]
@@ -131,7 +132,13 @@ class _BlockTask:
 
     @property
     def pairs(self) -> int:
-        return (self.q_rows.stop - self.q_rows.start) * (self.k_rows.stop - self.k_rows.start)
+        """Score pairs the kernel computes: the rectangle, or under a CAUSAL mask its visible part (query i
+        sees keys 0..i of the block; a causal kernel skips the rest)."""
+        rows, cols = self.q_rows.stop - self.q_rows.start, self.k_rows.stop - self.k_rows.start
+        if self.kind is not BlockKind.CAUSAL:
+            return rows * cols
+        full = min(rows, cols)
+        return full * (full + 1) // 2 + (rows - full) * cols
 
 
 def _join_full(tasks: list[_BlockTask], along_keys: bool) -> list[_BlockTask]:
@@ -1086,6 +1093,45 @@ def engine_backward(
             break
     dq = rows.dq if rows.dq is not None else torch.zeros_like(q, dtype=acc)
     return dq, dk_local, dv_local
+
+
+@dataclass(frozen=True)
+class _QueryRows:
+    """A schedule stand-in naming whose query rows one pair call computes (``engine_pair_backward``)."""
+
+    size: int
+    ring_rank: int
+    query_rank: int
+
+
+def engine_pair_backward(
+    plan: RingPlan,
+    seq_len: int,
+    scale: float,
+    rows_of: int,
+    owner: int,
+    q: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dq: torch.Tensor | None = None,
+    dkv: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of ONE pair: the query rows of ``rows_of`` (in ``plan.query_layout``; q, dout ``[B, L, H, D]``,
+    final lse ``[B, H, L]``, Δ ``[B, L, H]``) against ``owner``'s K/V block (``plan.layout``). Gradients are
+    added in place into ``dq`` and ``dkv`` when given (accumulators that travel or stay), else fresh;
+    returns ``(dq, dk, dv)`` in the accumulation dtype. StarTrail's query-packet backward calls it once per
+    packet that passes (``parallel/team.py``)."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    pair_plan = dataclasses.replace(
+        plan, schedule=_QueryRows(plan.schedule.size, plan.schedule.ring_rank, rows_of)
+    )
+    rows = _Rows(q, acc, lse=lse, dout=dout, delta=delta, dq=dq)
+    work = _pair_work(pair_plan, seq_len, scale, rows, merged=True)
+    dk, dv = work.backward(k, v, owner, into=None if dkv is None else (lambda: dkv))
+    return (rows.dq if rows.dq is not None else torch.zeros_like(q, dtype=acc)), dk, dv
 
 
 class _RingAttention(torch.autograd.Function):

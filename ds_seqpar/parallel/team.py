@@ -21,8 +21,15 @@ from typing import Any
 
 import torch
 
-from ds_seqpar.ops.merge import apply_sink, merge_attn_, sink_grad
-from ds_seqpar.parallel.ring import RingPlan, check_qkv, check_sinks, engine_backward, engine_forward
+from ds_seqpar.ops.merge import apply_sink, inert_empty_rows, merge_attn_, sink_grad
+from ds_seqpar.parallel.ring import (
+    RingPlan,
+    check_qkv,
+    check_sinks,
+    engine_backward,
+    engine_forward,
+    engine_pair_backward,
+)
 
 
 def _merge_team(out_t: torch.Tensor, lse_t: torch.Tensor, team: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,6 +42,58 @@ def _merge_team(out_t: torch.Tensor, lse_t: torch.Tensor, team: Any) -> tuple[to
     return out, lse
 
 
+def _query_packet_backward(
+    plan: RingPlan,
+    scale: float,
+    seq_len: int,
+    q_team: torch.Tensor,
+    dout_team: torch.Tensor,
+    lse_team: torch.Tensor,
+    delta_team: torch.Tensor,
+    k_team: torch.Tensor,
+    v_team: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """StarTrail's query-packet backward: the team's (q, dout, lse, Δ) ``[B, C·n, ...]`` takes the skew hop
+    and circulates the sub-ring with a dQ accumulator, while this member's team K/V stay and collect dK /
+    dV from every packet that passes. Returns ``(dQ of the team's rows, after the accumulator came home and
+    took the skew back; dK, dV of the team's block)``, partials over this member's share, in the
+    accumulation dtype. The schedule moves the packet as it moves K/V in the other variant."""
+    schedule = plan.schedule
+    if plan.doc_ids is not None and bool((plan.doc_ids < 0).any()):
+        dout_team, lse_team = inert_empty_rows(dout_team, lse_team)  # padding rows saw no key
+    steps = schedule.backward((q_team, dout_team, lse_team.contiguous(), delta_team.contiguous()))
+    del q_team, dout_team, lse_team, delta_team
+    dkv = None
+    owner, packet = next(steps)
+    while True:
+        arrived = schedule.incoming()
+        dq, dk, dv = engine_pair_backward(
+            plan, seq_len, scale, owner, schedule.query_rank, *packet, k_team, v_team,
+            dq=None if arrived is None else arrived[0], dkv=dkv,
+        )  # fmt: skip
+        dkv = (dk, dv)
+        del packet
+        try:
+            owner, packet = steps.send([dq])
+        except StopIteration as done:
+            (dq_home,) = done.value
+            break
+    return dq_home, *dkv
+
+
+def startrail_backward_kind(
+    wanted: str, heads: int, kv_heads: int, head_dim: int, element_bytes: int, acc_bytes: int
+) -> str:
+    """``"kv"`` or ``"query"``: ``wanted`` unless it is ``"auto"``, then the variant whose sub-ring step sends
+    fewer bytes per token (query: q, dout + lse, Δ + a dQ accumulator; kv: k, v + dK, dV accumulators; the
+    team size scales both alike). MHA moves less with query packets, GQA / MQA with K/V (docs/schedules.md)."""
+    if wanted != "auto":
+        return wanted
+    query = heads * (2 * head_dim * element_bytes + 2 * acc_bytes) + heads * head_dim * acc_bytes
+    kv = 2 * kv_heads * head_dim * (element_bytes + acc_bytes)
+    return "query" if query < kv else "kv"
+
+
 class _TeamAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -45,6 +104,7 @@ class _TeamAttention(torch.autograd.Function):
         sinks: torch.Tensor | None,
         plan: RingPlan,
         scale: float,
+        backward: str,
     ):
         schedule = plan.schedule
         team = schedule.team_comm
@@ -57,7 +117,7 @@ class _TeamAttention(torch.autograd.Function):
         if sinks is not None:
             out, lse = apply_sink(out, lse, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.plan, ctx.scale, ctx.seq_len = plan, scale, seq_len
+        ctx.plan, ctx.scale, ctx.seq_len, ctx.backward = plan, scale, seq_len, backward
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
 
@@ -72,24 +132,29 @@ class _TeamAttention(torch.autograd.Function):
         q_team, dout_team = team.gather(q, dout)
         lse_team, delta_team = team.gather(lse, delta.transpose(1, 2), dim=2)
         kv = team.gather(k, v) if schedule.gathers_kv else (k, v)
-        dq_t, dk_p, dv_p = engine_backward(
-            q_team,
-            *kv,
-            plan,
-            ctx.scale,
-            ctx.seq_len,
-            dout_team,
-            lse_team,
-            delta=delta_team.transpose(1, 2),
-            merged=True,
-        )
+        if ctx.backward == "query":
+            dq_t, dk_p, dv_p = _query_packet_backward(
+                plan, ctx.scale, ctx.seq_len, q_team, dout_team, lse_team, delta_team.transpose(1, 2), *kv
+            )
+        else:
+            dq_t, dk_p, dv_p = engine_backward(
+                q_team,
+                *kv,
+                plan,
+                ctx.scale,
+                ctx.seq_len,
+                dout_team,
+                lse_team,
+                delta=delta_team.transpose(1, 2),
+                merged=True,
+            )
         del q_team, dout_team, lse_team, delta_team, kv
         (dq,) = team.reduce_rows(dq_t)
         dk, dv = team.reduce_rows(dk_p, dv_p) if schedule.gathers_kv else (dk_p, dv_p)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             dsinks = sink_grad(dout, out, lse, sinks).to(sinks.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None
 
 
 def team_attention(
@@ -99,6 +164,7 @@ def team_attention(
     plan: RingPlan,
     softmax_scale: float | None = None,
     sinks: torch.Tensor | None = None,
+    backward: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of this rank's queries under a team schedule (``plan.schedule`` has ``team_comm``).
 
@@ -107,6 +173,8 @@ def team_attention(
         plan: built by ``parallel/ring.py`` ``team_plan`` (K/V layout of the schedule's blocks, query layout
             of its teams).
         sinks: None or ``[H]`` attention-sink logits.
+        backward: StarTrail's backward, ``"kv"`` | ``"query"`` | ``"auto"`` (:func:`startrail_backward_kind`);
+            a schedule without a sub-ring (ATTENTION2D) always runs the engine's (K/V) backward.
 
     Returns:
         ``(out [B, n, H, D] in q.dtype, lse [B, H, n])``; differentiable in q, k, v and sinks.
@@ -114,4 +182,10 @@ def team_attention(
     check_qkv(q, k, v, "team attention")
     check_sinks(sinks, q, "team attention")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    return _TeamAttention.apply(q, k, v, sinks, plan, scale)
+    if not hasattr(plan.schedule, "subring"):
+        backward = "kv"
+    elif backward not in ("auto", "kv", "query"):
+        raise ValueError(f"team attention backward={backward!r}; valid: auto, kv, query")
+    acc = 8 if q.dtype == torch.float64 else 4
+    kind = startrail_backward_kind(backward, q.shape[2], k.shape[2], q.shape[3], q.element_size(), acc)
+    return _TeamAttention.apply(q, k, v, sinks, plan, scale, kind)

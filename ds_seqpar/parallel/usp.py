@@ -15,6 +15,8 @@ Every check runs before the first collective.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ds_seqpar.comm.all_to_all import HeadPlan, seq_to_head
@@ -194,7 +196,7 @@ def attention(
         query_layout=query_layout,
     )
     team = hasattr(schedule, "team_comm")  # StarTrail / ATTENTION2D: parallel/team.py
-    run = team_attention if team else ring_attention
+    run = functools.partial(team_attention, backward=cfg.ring.startrail_backward) if team else ring_attention
     heads = HeadPlan.build(q.shape[2], k.shape[2], mesh.ulysses_size)
     groups = _head_groups(mesh, heads)
     if groups is not None:
