@@ -296,7 +296,7 @@ def max_seq_len_search(args: argparse.Namespace, world: int) -> int:
     resolved = args.section.validate(model_config, None)
     u = resolved.resolved_ulysses_degree
     kind, granularity = resolved.ring_layout
-    multiple = UspLayout(SeqLayout(kind, resolved.size // u, granularity), u).multiple
+    multiple = UspLayout(SeqLayout(kind, resolved.size // u, granularity), u, resolved.ring_pieces).multiple
     best = largest_seq_len(model_config, args.section, budget, multiple=multiple, **_run_sizes(args, world))
     print(
         f"max-seq-len-search: {args.max_seq_len_search:g} MiB per rank, {world} ranks, memory "

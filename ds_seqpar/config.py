@@ -398,7 +398,7 @@ class SequenceParallelConfig(_Section):
         if kind == "tasp":
             domain = inner or ring_degree
             if domain in NO_HAMILTONIAN_DECOMPOSITION:
-                valid = [d for d in divisors(ring_degree) if d not in NO_HAMILTONIAN_DECOMPOSITION]
+                valid = [d for d in divisors(ring_degree) if d > 1 and d not in NO_HAMILTONIAN_DECOMPOSITION]
                 raise ValueError(
                     f"sequence_parallel.ring.schedule='tasp' over a domain of {domain} ranks (ring.inner_size="
                     f"{inner}, ring degree R={ring_degree}): the complete digraph on 4 or 6 ranks has no Hamiltonian "

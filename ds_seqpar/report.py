@@ -37,12 +37,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_seqpar.comm import model as comm_model
+from ds_seqpar.comm.all_to_all import HeadPlan
+from ds_seqpar.comm.hamiltonian import hamiltonian_decomposition
+from ds_seqpar.comm.schedule import team_parts
 from ds_seqpar.config import SequenceParallelConfig, head_counts, load_config
 from ds_seqpar.layout import SeqLayout, UspLayout
 from ds_seqpar.mesh import GROUP_KINDS, MeshPlan, plan_from_config
 from ds_seqpar.ops.attention import KERNELS, resolve_kernel
 from ds_seqpar.ops.sparse_kernels import SPARSE_KERNELS, resolve_sparse_kernel
-from ds_seqpar.parallel.comm_volume import LayerBytes, attention_layer_bytes
+from ds_seqpar.parallel.comm_volume import LayerBytes, acc_bytes, attention_layer_bytes, model_arguments
 
 __all__ = [
     "PACKAGES",
@@ -367,6 +371,74 @@ def bytes_lines(layer: LayerBytes) -> list[str]:
     return _table(rows)
 
 
+def ranks_per_node(resolved: SequenceParallelConfig, world: int) -> int:
+    """``sequence_parallel.ranks_per_node``, "auto" read from LOCAL_WORLD_SIZE (all ranks when unset)."""
+    wanted = resolved.ranks_per_node
+    if wanted == "auto":
+        wanted = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return max(1, min(int(wanted), world))
+
+
+def schedule_rows(resolved: SequenceParallelConfig, ring: int, u: int, world: int) -> list[tuple[str, str]]:
+    """What a topology-aware schedule builds on the ring axis (ring ranks; ring rank q = SP rank q·U)."""
+    cfg, rows = resolved.ring, [("ranks per node", str(ranks_per_node(resolved, world)))]
+    if not resolved.enabled or ring == 1:
+        return rows
+    if cfg.schedule == "tasp":
+        domain = cfg.inner_size or ring
+        if domain > 1:
+            cycles = hamiltonian_decomposition(domain)
+            rows.append(("TASP cycles", f"{len(cycles)} over each domain of {domain}: " + " ".join(
+                "→".join(str(x) for x in c) for c in cycles[:4]
+            ) + (" ..." if len(cycles) > 4 else "")))  # fmt: skip
+    if cfg.schedule == "startrail":
+        c = cfg.team_size
+        teams = team_parts(ring, c)
+        rows.append(
+            ("StarTrail", f"C {c}: {len(teams)} teams of {c} ring ranks, sub-rings of {ring // (c * c)}")
+        )
+    if cfg.schedule == "attention2d":
+        rows.append(
+            (
+                "ATTENTION2D grid",
+                f"{cfg.grid[0]} rows x {cfg.grid[1]} columns (ring rank = row x {cfg.grid[1]} + col)",
+            )
+        )
+    return rows
+
+
+def link_lines(resolved: SequenceParallelConfig, seq_len: int, heads: int, kv_heads: int, dim: int, batch: int,
+               element_bytes: int, world: int) -> list[str]:  # fmt: skip
+    """Intra- / inter-node bytes (forward + backward) of the ring rank that sends the most inter-node."""
+    u = resolved.resolved_ulysses_degree
+    r = resolved.size // u
+    if not resolved.enabled or r == 1:
+        return []
+    cfg, plan = resolved.ring, HeadPlan.build(heads, kv_heads, u)
+    shape, kw = model_arguments(resolved, comm_model.LayerShape(
+        batch, seq_len // r, plan.q_counts[0], plan.kv_counts[0], dim, element_bytes, acc_bytes(element_bytes)
+    ))  # fmt: skip
+    nodes = comm_model.node_map(r, ranks_per_node(resolved, world), stride=u)
+    best = None
+    for rank in range(r):
+        traffic = [
+            comm_model.classify(
+                comm_model.peer_bytes(cfg.schedule, shape, r, rank, backward=b, **kw), rank, nodes
+            )
+            for b in (False, True)
+        ]
+        inter = sum(t.inter for t in traffic)
+        if best is None or inter > best[0]:
+            best = (inter, rank, traffic)
+    _, rank, (fwd, bwd) = best
+    return [
+        f"ring axis by link (ring rank {rank}, the most inter-node; ranks_per_node {nodes.count(0) * u}, docs/comm_model.md):",
+        f"  intra-node  forward {_fmt_bytes(fwd.intra)}, backward {_fmt_bytes(bwd.intra)}",
+        f"  inter-node  forward {_fmt_bytes(fwd.inter)}, backward {_fmt_bytes(bwd.inter)}",
+        f"  busiest link forward {_fmt_bytes(fwd.busiest_link)}, backward {_fmt_bytes(bwd.busiest_link)}",
+    ]
+
+
 def busiest_rank_bytes(
     resolved: SequenceParallelConfig, seq_len: int, heads: int, kv_heads: int, dim: int, **kwargs: Any
 ) -> tuple[LayerBytes, bool]:
@@ -420,6 +492,7 @@ def mesh_report(
     rows.append(
         ("ring schedule", f"{resolved.ring.schedule}, overlap {'on' if resolved.ring.overlap else 'off'}")
     )
+    rows += schedule_rows(resolved, r, u, plan.world_size)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     softcap = getattr(_text_config(model), "attn_logit_softcapping", None)
     where = f"{device} {str(dtype).removeprefix('torch.')}" + (f", softcap {softcap}" if softcap else "")
@@ -441,7 +514,7 @@ def mesh_report(
     lines += ["", "groups (global ranks):", *group_lines(plan)]
     padded = seq_len
     if resolved.enabled:
-        multiple = UspLayout(SeqLayout(kind, r, granularity), u).multiple
+        multiple = UspLayout(SeqLayout(kind, r, granularity), u, resolved.ring_pieces).multiple
         padded = -(-seq_len // multiple) * multiple
     lines += [
         "",
@@ -455,6 +528,7 @@ def mesh_report(
         resolved, padded, heads, kv_heads, dim, batch=batch, element_bytes=element_bytes
     )
     lines += bytes_lines(layer)
+    lines += link_lines(resolved, padded, heads, kv_heads, dim, batch, element_bytes, plan.world_size)
     if uneven:
         lines.append("  (heads split unevenly over the Ulysses ranks: the rank that sends the most)")
     if resolved.attention == "sparse_ring":

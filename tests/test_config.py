@@ -128,7 +128,7 @@ BAD_SECTIONS = [
     ),
     (
         {"size": 8, "ring": "zigzag"},
-        r"sequence_parallel\.ring='zigzag' must be an object \(JSON dict\); valid keys: layout, granularity, inner_size, overlap, schedule",
+        r"sequence_parallel\.ring='zigzag' must be an object \(JSON dict\); valid keys: layout, granularity, inner_size, overlap, schedule, team_size, grid, startrail_backward",
     ),
     (
         {"size": 8, "attention": "usps"},
@@ -276,3 +276,55 @@ def test_data_parallel_size_must_match_the_world():
     ):
         section.validate(None, 8)
     section.validate(None, 12)
+
+
+@pytest.mark.parametrize(
+    ("ring", "size", "message"),
+    [
+        (
+            {"schedule": "tasp"},
+            4,
+            r"domain of 4 ranks .* no Hamiltonian decomposition; valid: ring.inner_size in 2 \(nearest",
+        ),
+        (
+            {"schedule": "tasp", "inner_size": 6},
+            12,
+            r"domain of 6 ranks.*valid: ring.inner_size in 2, 3, 12 \(nearest sizes with one: 5, 7\)",
+        ),
+        (
+            {"schedule": "startrail"},
+            8,
+            r"ring.team_size=None does not suit ring.schedule='startrail'.*valid: 1, 2",
+        ),
+        ({"schedule": "startrail", "team_size": 4}, 8, r"team_size=4 .*C\^2 must divide R.*valid: 1, 2"),
+        (
+            {"schedule": "attention2d", "grid": [3, 3]},
+            8,
+            r"grid=\[3, 3\] .*P_q x P_kv must equal R; valid: \[1, 8\], \[2, 4\]",
+        ),
+        ({"schedule": "attention2d"}, 4, r"grid=None"),
+        ({"team_size": 2}, 8, r"ring.team_size is set but ring.schedule='p2p' ignores it"),
+        ({"schedule": "tasp", "grid": [2, 4]}, 8, r"ring.grid is set but ring.schedule='tasp' ignores it"),
+        ({"schedule": "startrail", "team_size": 2, "inner_size": 4}, 8, r"inner_size=4 makes a double ring"),
+        ({"schedule": "p2p", "startrail_backward": "kv"}, 8, r"startrail_backward is set"),
+    ],
+)
+def test_bad_topology_schedules_name_the_fix(ring, size, message):
+    with pytest.raises(SeqParConfigError, match=message):
+        parse_section({"size": size, "ulysses_degree": 1, "ring": ring}, size)
+
+
+def test_sparse_ring_refuses_topology_schedules():
+    section = {"size": 8, "ulysses_degree": 1, "attention": "sparse_ring", "ring": {"schedule": "tasp"}}
+    with pytest.raises(
+        SeqParConfigError, match=r"ring.schedule='tasp' is not built for attention='sparse_ring'"
+    ):
+        parse_section(section, 8)
+
+
+def test_tasp_pads_to_its_pieces():
+    from ds_seqpar.layout import SeqLayout, UspLayout
+
+    section = parse_section({"size": 10, "ulysses_degree": 2, "ring": {"schedule": "tasp"}}, 10)
+    assert section.ring_pieces == 4  # R = 5: the whole ring is the domain, 4 cycles
+    assert UspLayout(SeqLayout("zigzag", 5), 2, section.ring_pieces).multiple == 2 * 5 * 4

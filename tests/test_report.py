@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from importlib import metadata
@@ -123,3 +124,23 @@ def test_module_entry_point_exits_2_without_a_traceback():
     )
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "'no/such.json' does not exist" in proc.stderr
+
+
+def test_topology_schedules_print_their_structure_and_link_classes(monkeypatch, capsys, tmp_path):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    ring = {"schedule": "startrail", "team_size": 2}
+    path = tmp_path / "startrail.json"
+    path.write_text(
+        json.dumps(
+            {"sequence_parallel": {"size": 16, "ulysses_degree": 1, "ranks_per_node": 2, "ring": ring}}
+        )
+    )
+    assert report.main(["--config", str(path), "--world", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "ranks per node ............. 2" in out
+    assert "StarTrail .................. C 2: 8 teams of 2 ring ranks, sub-rings of 4" in out
+    # member 1 of a team: the skew hop and 3 sub-ring hops of a team block (2 x 256 tokens x H_kv 2 x D 16,
+    # K and V, fp32) cross nodes; the team's gathers and merge stay inside
+    block = 2 * 256 * 2 * 16 * 2 * 4
+    assert f"inter-node  forward {report._fmt_bytes(4 * block)}" in out

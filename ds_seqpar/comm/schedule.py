@@ -73,6 +73,8 @@ def _outer(mesh: Any) -> RingComm | None:
 
 
 def _tasp(mesh: Any, overlap: bool) -> Schedule:
+    if mesh.ring_inner_size == 1:  # a domain of one rank: only the outer ring is left
+        return _p2p(mesh, overlap)
     c, stats = mesh.coords, mesh.comm_stats
     kind = "ring" if mesh.ring_inner_size == mesh.ring_size else "ring_inner"
     index = c.ring_rank if kind == "ring" else c.ring_inner_rank

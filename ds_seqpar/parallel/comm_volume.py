@@ -15,6 +15,7 @@ fp64 inputs, else 4). Counted as ``CommStats`` counts them (what a rank sends, b
         p2p forward   2(R − 1)·blk·b
         p2p backward  2(R − 1)·blk·b + 2(R·[R_in > 1] + R_out·[R_out > 1])·blk·b_acc (dK/dV accumulators)
         all_gather    forward 2(R − 1)·blk·b; backward the same again + reduce_scatter 2(R − 1)·blk·b_acc
+        tasp, startrail, attention2d: comm/model.py per peer (docs/comm_model.md), summed per kind
 
 The distributed tests (``tests/test_usp.py``, ``tests/test_ring.py``) assert these numbers against
 the bytes the collectives recorded; ``python -m ds_seqpar.report`` prints them for a config.
@@ -24,12 +25,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ds_seqpar.comm import model
 from ds_seqpar.comm.all_to_all import HeadPlan, split_heads
 from ds_seqpar.config import SequenceParallelConfig
 from ds_seqpar.parallel.ulysses_pipeline import HeadGroups
 from ds_seqpar.parallel.usp import DEFAULT_ULYSSES_CHUNKS
 
-__all__ = ["LayerBytes", "acc_bytes", "attention_layer_bytes", "delta_bytes", "ring_bytes", "ulysses_bytes"]
+__all__ = [
+    "LayerBytes",
+    "acc_bytes",
+    "attention_layer_bytes",
+    "delta_bytes",
+    "model_arguments",
+    "ring_bytes",
+    "topology_ring_bytes",
+    "ulysses_bytes",
+]
 
 
 @dataclass(frozen=True)
@@ -165,15 +176,58 @@ def attention_layer_bytes(
         pipelined = groups is not None
     delta = 0 if sinks or pipelined else delta_bytes(batch, n, heads, u, acc, ulysses_rank)
     ulysses = LayerBytes({"all_to_all": a2a_fwd}, {"all_to_all": a2a_bwd + delta})
-    ring = ring_bytes(
-        batch,
-        seq_len // r,
-        plan.kv_counts[ulysses_rank],
-        head_dim,
-        r,
-        element_bytes,
-        acc,
-        inner=config.ring.inner_size,
-        schedule=config.ring.schedule,
-    )
+    args = (batch, seq_len // r, plan.kv_counts[ulysses_rank], head_dim, r, element_bytes, acc)
+    if config.ring.schedule in ("p2p", "all_gather"):
+        ring = ring_bytes(*args, inner=config.ring.inner_size, schedule=config.ring.schedule)
+    else:
+        ring = topology_ring_bytes(config, plan.q_counts[ulysses_rank], *args)
     return LayerBytes() + ulysses + ring
+
+
+def model_arguments(config: SequenceParallelConfig, shape: model.LayerShape) -> tuple[model.LayerShape, dict]:
+    """``(shape, keywords)`` of ``comm.model.peer_bytes`` for the ring axis of a resolved section (StarTrail's
+    ``"auto"`` backward resolved for this shape)."""
+    cfg = config.ring
+    backward = "kv"
+    if cfg.schedule == "startrail":
+        backward = cfg.startrail_backward
+        if backward == "auto":
+            backward = model.startrail_backward_choice(shape, cfg.team_size)
+    return shape, dict(
+        inner=cfg.inner_size,
+        team_size=cfg.team_size,
+        grid=tuple(cfg.grid) if cfg.grid else None,
+        segments=2 if cfg.layout == "zigzag" else 1,
+        startrail_backward=backward,
+    )
+
+
+def topology_ring_bytes(
+    config: SequenceParallelConfig,
+    heads: int,
+    batch: int,
+    tokens: int,
+    kv_heads: int,
+    head_dim: int,
+    ring: int,
+    element_bytes: int,
+    acc: int,
+    ring_rank: int | None = None,
+) -> LayerBytes:
+    """Bytes one ring rank sends in one layer under ``tasp``, ``startrail`` or ``attention2d``
+    (``comm/model.py``, per collective kind), with ``heads`` / ``kv_heads`` on the rank; ``ring_rank``
+    None = the ring rank that sends the most (StarTrail's members differ: member 0 makes no skew hop)."""
+    cfg = config.ring
+    shape, kw = model_arguments(
+        config, model.LayerShape(batch, tokens, heads, kv_heads, head_dim, element_bytes, acc)
+    )
+
+    def of(rank: int) -> LayerBytes:
+        return LayerBytes(
+            model.kind_totals(model.peer_bytes(cfg.schedule, shape, ring, rank, backward=False, **kw)),
+            model.kind_totals(model.peer_bytes(cfg.schedule, shape, ring, rank, backward=True, **kw)),
+        )
+
+    if ring_rank is not None:
+        return of(ring_rank)
+    return max((of(rank) for rank in range(ring)), key=lambda b: b.total)
