@@ -271,27 +271,29 @@ class BlockLayout(_PositionLayout):
 class GroupLayout(_PositionLayout):
     """Groups of a base layout's ranks seen as one rank each (team schedules, ``parallel/team.py``): group g
     holds the tokens of its members ``groups[g]``, concatenated in member order (what an all-gather over
-    the group produces). StarTrail's teams and ATTENTION2D's rows and columns.
+    the group produces). StarTrail's teams and ATTENTION2D's rows and columns (disjoint groups), and the
+    pieces a TASP step holds (groups of a ``PieceLayout``, which overlap).
 
     Args:
-        base: the layout over the ring's ranks.
+        base: the layout whose ranks the groups name (``SeqLayout`` or ``PieceLayout``).
         groups: member ranks (of ``base``) of every group, each group the same size.
+        interleave: > 1: every member's tokens are this many equal runs, concatenated run-major (run j of
+            every member in member order, then run j + 1): TASP's step blocks.
     """
 
-    base: SeqLayout
+    base: Any
     groups: tuple[tuple[int, ...], ...]
+    interleave: int = 1
     kind: str = "groups"
 
     def __post_init__(self) -> None:
         sizes = {len(g) for g in self.groups}
-        members = sorted(r for g in self.groups for r in g)
-        if (
-            len(sizes) != 1
-            or members != sorted(set(members))
-            or not set(members) <= set(range(self.base.world))
-        ):
+        members = {r for g in self.groups for r in g}
+        distinct = all(len(set(g)) == len(g) for g in self.groups)
+        if len(sizes) != 1 or not distinct or not members <= set(range(self.base.world)):
             raise LayoutError(
-                f"GroupLayout needs groups of equal size of distinct ranks 0..{self.base.world - 1}; got {self.groups}"
+                f"GroupLayout needs groups of equal size, each of distinct ranks 0..{self.base.world - 1}; got "
+                f"{self.groups}"
             )
 
     @property
@@ -308,7 +310,8 @@ class GroupLayout(_PositionLayout):
     def local_positions(self, seq_len: int, rank: int) -> torch.Tensor:
         if not 0 <= rank < self.world:
             raise LayoutError(f"group={rank} is outside the layout's {self.world} groups")
-        return torch.cat([self.base.local_positions(seq_len, r) for r in self.groups[rank]])
+        parts = [self.base.local_positions(seq_len, r).chunk(self.interleave) for r in self.groups[rank]]
+        return torch.cat([member[j] for j in range(self.interleave) for member in parts])
 
     def segments(self, seq_len: int) -> list[tuple[int, int]]:
         """Every member's segments, shifted to the member's place in the group."""

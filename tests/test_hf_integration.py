@@ -22,12 +22,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
-def _mesh(u: int, layout: str = "zigzag", inner: int | None = None) -> SeqParMesh:
+def _mesh(
+    u: int, layout: str = "zigzag", inner: int | None = None, schedule: dict | None = None
+) -> SeqParMesh:
     world = dist.get_world_size()
     mesh = SeqParMesh.build(world, u, inner)
     mesh.config = SequenceParallelConfig(
-        size=world, ulysses_degree=u, ring={"layout": layout, "inner_size": inner}
-    )
+        size=world, ulysses_degree=u, ring={"layout": layout, "inner_size": inner, **(schedule or {})}
+    ).validate(None, world)
     return mesh
 
 
@@ -38,11 +40,14 @@ def sp_vs_reference(
     batch: dict,
     model_overrides: dict | None = None,
     reentrant_checkpointing: bool | None = None,
+    schedule: dict | None = None,
 ) -> dict:
     """One forward/backward of a full batch with and without SP; loss and gradient errors.
     ``reentrant_checkpointing``: None = no activation checkpointing in the SP model, else HF gradient
-    checkpointing of every layer with that ``use_reentrant``."""
-    mesh = _mesh(u, layout)
+    checkpointing of every layer with that ``use_reentrant``. ``schedule``: ring keys of the section
+    (``{"schedule": "startrail", "team_size": 2}``, with ``inner_size`` for the mesh's double ring)."""
+    schedule = dict(schedule or {})
+    mesh = _mesh(u, layout, schedule.pop("inner_size", None), schedule)
     ref = tiny_model(kind, **(model_overrides or {}))
     model = copy.deepcopy(ref)
     ref_loss = reference_loss(ref, batch)

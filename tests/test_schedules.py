@@ -222,8 +222,8 @@ def test_schedules_at_p16(dist_pool):
     """P = 16: StarTrail C in {1, 2, 4}, TASP as the inner ring (8) of a double ring, ATTENTION2D 4 x 4."""
     cases = []
     for c in (1, 2, 4):
-        for causal, layout in itertools.product((True, False), ("zigzag", "contiguous")):
-            cases.append(dict(schedule="startrail", team_size=c, layout=layout, causal=causal, h_kv=2,
+        for causal, layout, h_kv in itertools.product((True, False), ("zigzag", "contiguous"), (H, 1)):
+            cases.append(dict(schedule="startrail", team_size=c, layout=layout, causal=causal, h_kv=h_kv,
                               dtype=torch.float64, seq_len=128))  # fmt: skip
     for causal, h_kv in itertools.product((True, False), (H, 1)):
         cases.append(dict(schedule="tasp", inner_size=8, layout="zigzag", causal=causal, h_kv=h_kv,
@@ -301,3 +301,22 @@ def test_counted_bytes_equal_the_model_per_peer(dist_pool):
             rank,
             got["fwd_links"],
         )
+
+
+@pytest.mark.parametrize(
+    ("kind", "schedule"),
+    [
+        ("llama", {"schedule": "startrail", "team_size": 2}),
+        ("mistral", {"schedule": "attention2d", "grid": [2, 2]}),  # sliding window 12 < S
+        ("qwen3", {"schedule": "tasp", "inner_size": 2}),
+    ],
+)
+def test_hf_model_under_each_schedule_equals_non_sp(dist_pool, kind, schedule):
+    """A tiny HF model's loss and every parameter gradient under the schedule equal one process's."""
+    from tests.hf_models import batches
+    from tests.test_hf_integration import sp_vs_reference
+
+    batch = batches(1, 2, 64)[0]
+    for rep in dist_pool(4).run(sp_vs_reference, kind, 1, "zigzag", batch, None, None, schedule):
+        assert rep["finite"], rep
+        assert rep["loss_err"] <= 1e-5 and rep["grad_rel_err"] <= 1e-5, rep

@@ -19,8 +19,10 @@ sends arrives at the piece's owner (as the ring's). With an outer ring (``ring.i
 the block that arrives on the outer ring circulates the domain exactly like the double ring's inner ring
 (``comm/p2p.py``), and the assembled accumulator then travels the outer ring home.
 
-Owners yielded are piece ranks of ``layout.PieceLayout(ring layout, p)``: ``ring_rank · p + c`` (the
-engine builds that layout from ``pieces``, ``parallel/ring.py`` ``plan_layouts``).
+Each step yields the d − 1 pieces held as ONE block (segment-major: one set of kernel calls per step,
+as the ring's; the own step is the local block itself); its owner indexes ``step_groups``, the pieces it holds (ranks of
+``layout.PieceLayout(ring layout, p)``), from which ``parallel/ring.py`` ``plan_layouts`` builds the
+plan's K/V layout.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class CycleComm:
         self, group: object, members: Sequence[int], index: int, stats: CommStats | None = None
     ) -> None:
         self.group, self.members, self.index, self.stats = group, list(members), index, stats
-        cycles = hamiltonian_decomposition(len(self.members))
+        cycles = self._cycles = hamiltonian_decomposition(len(self.members))
         self.succ, self.pred = [], []
         for cycle in cycles:
             at = cycle.index(index)
@@ -66,6 +68,11 @@ class CycleComm:
     def origin(self, cycle: int, step: int) -> int:
         """Domain index whose piece this rank holds on ``cycle`` after ``step`` exchanges."""
         return self._pred_index[cycle][step]
+
+    def origin_of(self, index: int, cycle: int, step: int) -> int:
+        """Domain index whose piece domain index ``index`` holds on ``cycle`` after ``step`` exchanges."""
+        c = self._cycles[cycle]
+        return c[(c.index(index) - step) % len(c)]
 
     def exchange(self, pieces: list[Payload], tag: int) -> PendingExchange:
         """Send piece c to its cycle-c successor and receive one like it from the cycle-c predecessor,
@@ -101,7 +108,7 @@ class TaspSchedule:
     def __init__(self, inner: CycleComm, outer: RingComm | None, segments: int, overlap: bool = True) -> None:
         self.inner, self.outer, self.segments, self.overlap = inner, outer, segments, overlap
         self._incoming: PendingExchange | None = None
-        self._cycle = 0
+        self._arrived: Payload | None = None
 
     @property
     def pieces(self) -> int:
@@ -123,37 +130,52 @@ class TaspSchedule:
     def query_rank(self) -> int:
         return self.ring_rank
 
-    def _owner(self, t: int, cycle: int, step: int) -> int:
+    @property
+    def step_groups(self) -> tuple[tuple[int, ...], ...]:
+        """What each yielded block holds: entry ``(o'·d + x)·d + s`` lists the pieces (ranks of
+        ``PieceLayout(ring layout, p)``: ``ring_rank · p + c``) that domain index x holds after s exchanges
+        of a block set that came from outer index o', in cycle order (``parallel/ring.py`` builds the
+        K/V layout of the plan from it)."""
+        d, p, groups = self.inner.size, self.pieces, []
+        for outer in range(self.outer_size):
+            for x in range(d):
+                for step in range(d):
+                    groups.append(
+                        tuple((outer * d + self.inner.origin_of(x, c, step)) * p + c for c in range(p))
+                    )
+        return tuple(groups)
+
+    def _owner(self, t: int, step: int) -> int:
         o = 0 if self.outer is None else self.outer.index
-        ring_rank = ((o - t) % self.outer_size) * self.inner.size + self.inner.origin(cycle, step)
-        return ring_rank * self.pieces + cycle
+        return (((o - t) % self.outer_size) * self.inner.size + self.inner.index) * self.inner.size + step
 
     def _cut(self, payload: Payload) -> list[Payload]:
         """Piece c of every tensor ``[B, n, ...]``: the c-th equal part of each segment."""
         p, s = self.pieces, self.segments
-        out = []
-        for c in range(p):
-            out.append(tuple(t.unflatten(1, (s, p, -1))[:, :, c].flatten(1, 2) for t in payload))
-        return out
+        return [tuple(t.unflatten(1, (s, p, -1))[:, :, c].flatten(1, 2) for t in payload) for c in range(p)]
 
     def _join(self, pieces: list[Payload]) -> Payload:
-        """The inverse of ``_cut``: pieces back into whole tensors in local order."""
+        """The inverse of ``_cut``: pieces into one block, segment-major (segment j of every piece in cycle
+        order, then segment j + 1): the own pieces give back the local order, and a step's block is what
+        ``GroupLayout(PieceLayout(...), step_groups, interleave=segments)`` describes."""
         p, s = self.pieces, self.segments
-        width = len(pieces[0])
         joined = []
-        for j in range(width):
+        for j in range(len(pieces[0])):
             parts = [pieces[c][j].unflatten(1, (s, -1)) for c in range(p)]  # [B, s, L, ...] each
             joined.append(torch.stack(parts, dim=2).flatten(1, 3))
         return tuple(joined)
 
     def incoming(self) -> Payload | None:
-        """The dK/dV accumulator that arrived with the piece being computed on, or None (its first step)."""
+        """The dK/dV accumulators that arrived with the pieces being computed on, as one block, or None
+        (their first step)."""
         if self._incoming is None:
             return None
-        return _regroup(self._incoming.wait(), self.pieces)[self._cycle]
+        if self._arrived is None:
+            self._arrived = self._join(_regroup(self._incoming.wait(), self.pieces))
+        return self._arrived
 
     def forward(self, kv: Payload) -> Iterator[Block]:
-        """Yield every piece of every ring rank's K/V block once, this rank's own first."""
+        """Yield, per step, the d − 1 pieces held (one per cycle) as one block, this rank's own first."""
         try:
             yield from self._forward(kv)
         finally:
@@ -172,15 +194,14 @@ class TaspSchedule:
                 pending = None
                 if step + 1 < d and self.overlap:
                     pending = self.inner.exchange(held, TAG_KV)
-                for c in range(self.pieces):
-                    yield self._owner(t, c, step), held[c]
+                yield self._owner(t, step), self._join(held)
                 if step + 1 < d:
                     held = _regroup((pending or self.inner.exchange(held, TAG_KV)).wait(), self.pieces)
             if t + 1 < self.outer_size:
                 outer_cur = (outer_next or self.outer.exchange(outer_cur)).wait()
 
     def backward(self, kv: Payload) -> Generator[Block, list[torch.Tensor], Payload]:
-        """Yield every piece again; ``send()`` back its gradients; return this rank's own dK/dV.
+        """Yield every step's block again; ``send()`` back its gradients; return this rank's own dK/dV.
 
         Each piece's accumulator follows it on its cycle (one batched exchange per step for all cycles)
         and reaches the piece's owner after d sends; with an outer ring the assembled accumulator then
@@ -188,7 +209,7 @@ class TaspSchedule:
         try:
             return (yield from self._backward(kv))
         finally:
-            self._incoming = None
+            self._incoming = self._arrived = None
             if self.outer is not None:
                 self.outer.release()
 
@@ -209,13 +230,11 @@ class TaspSchedule:
                 pending = None
                 if step + 1 < d and self.overlap:
                     pending = self.inner.exchange(held, TAG_KV)
-                sums: list[Payload] = []
-                for c in range(p):
-                    self._incoming, self._cycle = arrived, c
-                    grads = yield self._owner(t, c, step), held[c]
-                    self._incoming = None
-                    into = None if arrived is None else _regroup(arrived.wait(), p)[c]
-                    sums.append(tuple(accumulate_into(into, grads)))
+                self._incoming, self._arrived = arrived, None
+                grads = yield self._owner(t, step), self._join(held)
+                into = self.incoming()
+                self._incoming = self._arrived = None
+                sums = self._cut(accumulate_into(into, grads))
                 if step + 1 < d:
                     held = _regroup((pending or self.inner.exchange(held, TAG_KV)).wait(), p)
                 else:

@@ -1180,13 +1180,14 @@ class _RingAttention(torch.autograd.Function):
 
 def plan_layouts(schedule: Schedule, base: SeqLayout) -> tuple[Any, Any]:
     """``(layout, query_layout)`` of a ring plan for ``schedule`` over the ring layout ``base``: the base
-    itself for ring-shaped schedules; pieces of its shards for TASP (``pieces``); the groups of a team
+    itself for ring-shaped schedules; for TASP the pieces of its shards held at each step (``step_groups``
+    of a ``PieceLayout``); the groups of a team
     schedule (``key_groups`` / ``query_groups``: StarTrail's teams, ATTENTION2D's columns and rows)."""
     if hasattr(schedule, "key_groups"):
         return GroupLayout(base, schedule.key_groups), GroupLayout(base, schedule.query_groups)
-    pieces = getattr(schedule, "pieces", 1)
-    if pieces > 1:
-        return PieceLayout(base, pieces), base
+    if hasattr(schedule, "step_groups"):  # TASP: a step's block = one piece from each cycle
+        pieces = PieceLayout(base, schedule.pieces)
+        return GroupLayout(pieces, schedule.step_groups, interleave=schedule.segments), base
     return base, None
 
 
