@@ -293,3 +293,23 @@ def test_projection_is_bounded_by_the_compute_floor_and_sees_the_links():
                 assert by["double ring"].ms < by["ring"].ms / 2
             else:
                 assert by["TASP"].ms < by["double ring"].ms / 1.5
+
+
+def test_docs_snippets_run_as_written():
+    """docs/comm_model.md's python block runs; every JSON block of docs/schedules.md is a valid section."""
+    import json
+    import re
+    from pathlib import Path
+
+    from ds_seqpar.config import load_config
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    blocks = re.findall(r"```python\n(.*?)```", (docs / "comm_model.md").read_text(), flags=re.S)
+    assert blocks
+    for block in blocks:
+        exec(compile(block, "docs/comm_model.md", "exec"), {})
+    sections = re.findall(r"```json\n(.*?)```", (docs / "schedules.md").read_text(), flags=re.S)
+    assert len(sections) == 3
+    for text in sections:
+        section, _ = load_config(json.loads(text), world_size=16)
+        assert section.ring.schedule in ("tasp", "startrail", "attention2d")

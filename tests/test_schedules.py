@@ -133,6 +133,7 @@ def _matrix(world: int, schedule: dict, seq_len: int, seed: int) -> list[dict]:
     cases.append(
         dict(schedule, layout="zigzag", causal=True, window=5, h_kv=1, dtype=torch.float64, seq_len=seq_len)
     )
+    cases.append(dict(schedule, layout="stripe", causal=True, h_kv=2, dtype=torch.float64, seq_len=seq_len))
     return [dict(c, seed=seed + i) for i, c in enumerate(cases)]
 
 

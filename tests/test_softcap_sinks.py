@@ -43,7 +43,11 @@ def _mesh(world: int, case: dict) -> SeqParMesh:
         ulysses_degree=case["u"],
         ulysses_chunks=case.get("chunks", "auto"),
         attention=case.get("attention", "usp"),
-        ring={"inner_size": case.get("inner"), "schedule": case.get("schedule", "p2p")}
+        ring={
+            "inner_size": case.get("inner"),
+            "schedule": case.get("schedule", "p2p"),
+            **case.get("ring", {}),
+        }
         | ({} if case.get("sparse") else {"layout": case.get("layout", "zigzag")}),
         **extra,
     )
@@ -134,6 +138,13 @@ def _cases(p: int) -> list[dict]:
     ]
     if p == 4:
         cases.append(dict(u=1, inner=2, h=4, h_kv=2, attention="ring", **both))  # double ring 2 x 2
+        ring = dict(u=1, h=4, attention="ring", **both)  # the topology-aware schedules (docs/schedules.md)
+        cases.append(
+            dict(ring, h_kv=4, schedule="startrail", ring={"team_size": 2, "startrail_backward": "query"})
+        )
+        cases.append(dict(ring, h_kv=2, schedule="startrail", ring={"team_size": 2}, window=7))
+        cases.append(dict(ring, h_kv=2, schedule="attention2d", ring={"grid": [2, 2]}, causal=False))
+        cases.append(dict(ring, h_kv=1, inner=2, schedule="tasp"))
     for case in cases:
         case.setdefault("dtype", torch.float64)
         case.setdefault("seq_len", s)

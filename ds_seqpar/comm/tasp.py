@@ -50,12 +50,8 @@ class CycleComm:
     ) -> None:
         self.group, self.members, self.index, self.stats = group, list(members), index, stats
         cycles = self._cycles = hamiltonian_decomposition(len(self.members))
-        self.succ, self.pred = [], []
-        for cycle in cycles:
-            at = cycle.index(index)
-            self.succ.append(self.members[cycle[(at + 1) % len(cycle)]])
-            self.pred.append(self.members[cycle[at - 1]])
-        self._pred_index = [[c[(c.index(index) - s) % len(c)] for s in range(len(c))] for c in cycles]
+        self.succ = [self.members[self.origin_of(index, c, -1)] for c in range(len(cycles))]
+        self.pred = [self.members[self.origin_of(index, c, 1)] for c in range(len(cycles))]
 
     @property
     def size(self) -> int:
@@ -65,12 +61,9 @@ class CycleComm:
     def cycles(self) -> int:
         return self.size - 1
 
-    def origin(self, cycle: int, step: int) -> int:
-        """Domain index whose piece this rank holds on ``cycle`` after ``step`` exchanges."""
-        return self._pred_index[cycle][step]
-
     def origin_of(self, index: int, cycle: int, step: int) -> int:
-        """Domain index whose piece domain index ``index`` holds on ``cycle`` after ``step`` exchanges."""
+        """Domain index whose piece domain index ``index`` holds on ``cycle`` after ``step`` exchanges (the
+        rank ``step`` places before it on the cycle; ``step`` = −1: its successor)."""
         c = self._cycles[cycle]
         return c[(c.index(index) - step) % len(c)]
 

@@ -129,12 +129,16 @@ class _BlockTask:
     mask: torch.Tensor | None
     segment_pairs: int = 1
     band: tuple[int, int] | None = None  # PARTIAL masks that are a diagonal band: flash-style (left, right)
+    visible: int | None = None  # PARTIAL: the mask's visible pairs per batch row (set once, by _trimmed)
 
     @property
     def pairs(self) -> int:
-        """Score pairs the kernel computes: the rectangle, or under a CAUSAL mask its visible part (query i
-        sees keys 0..i of the block; a causal kernel skips the rest)."""
+        """Visible score pairs of the call (the work an ideal kernel does): the rectangle when FULL, its
+        lower-left part under a CAUSAL mask (query i sees keys 0..i of the block), the mask's count when
+        PARTIAL."""
         rows, cols = self.q_rows.stop - self.q_rows.start, self.k_rows.stop - self.k_rows.start
+        if self.kind is BlockKind.PARTIAL and self.visible is not None:
+            return self.visible
         if self.kind is not BlockKind.CAUSAL:
             return rows * cols
         full = min(rows, cols)
@@ -323,6 +327,7 @@ def _trimmed(task: _BlockTask) -> _BlockTask:
         k_rows=slice(start_k + ks, start_k + ke),
         mask=box.contiguous(),
         band=band,
+        visible=int(box.sum()) // (box.shape[0] if box.dim() == 3 else 1),
     )
 
 

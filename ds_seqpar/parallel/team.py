@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ds_seqpar.comm import model
 from ds_seqpar.ops.merge import apply_sink, inert_empty_rows, merge_attn_, sink_grad
 from ds_seqpar.parallel.ring import (
     RingPlan,
@@ -89,9 +90,10 @@ def startrail_backward_kind(
     team size scales both alike). MHA moves less with query packets, GQA / MQA with K/V (docs/schedules.md)."""
     if wanted != "auto":
         return wanted
-    query = heads * (2 * head_dim * element_bytes + 2 * acc_bytes) + heads * head_dim * acc_bytes
-    kv = 2 * kv_heads * head_dim * (element_bytes + acc_bytes)
-    return "query" if query < kv else "kv"
+    shape = model.LayerShape(
+        1, 1, heads, kv_heads, head_dim, element_bytes, acc_bytes
+    )  # per token: C, n cancel
+    return model.startrail_backward_choice(shape, 1)
 
 
 class _TeamAttention(torch.autograd.Function):

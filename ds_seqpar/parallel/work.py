@@ -9,8 +9,9 @@ from dataclasses import dataclass
 class WorkCounter:
     """Attention work this rank actually computed: score pairs (query x key) and segment blocks.
 
-    A pair is one score a kernel computes: every pair of a FULL or masked rectangle, and the visible
-    (lower-left) part of a CAUSAL block, which a causal kernel skips the rest of. Balance across ranks is ``max / mean`` of ``forward_pairs`` (1.0 = perfect). ``blocks`` /
+    A pair is one visible (unmasked) score of a kernel call, the work an ideal kernel does: every pair
+    of a FULL rectangle, the lower-left part of a CAUSAL block, the mask's count of a PARTIAL one (per
+    batch row). Balance across ranks is ``max / mean`` of ``forward_pairs`` (1.0 = perfect). ``blocks`` /
     ``skipped_blocks`` count forward (query segment, key segment) pairs computed / skipped as EMPTY.
     """
 
