@@ -17,6 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ds_seqpar.config import SequenceParallelConfig
+from ds_seqpar.parallel.comm_volume import attention_layer_bytes
 from tests.harness import run_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,3 +147,54 @@ def test_accelerate_loop_runs_under_accelerate_launch(tmp_path, config):
            "--deepspeed_config_file", config, "examples/accelerate_loop.py", "--max-steps", "2"]  # fmt: skip
     done = run_launcher(cmd, cwd=str(ROOT))
     assert len(_launch_losses(done, "examples/accelerate_loop.py: 2 steps")) == 2
+
+
+def dsp_ab(steps: int) -> dict:
+    """examples/dsp_video.py trained single-process, under DSP and under Ulysses, on this pool's ranks."""
+    example = load_example("dsp_video")
+    single = example.train("single", steps)
+    out = {"single": single["losses"]}
+    for mode in ("dsp", "ulysses"):
+        got = example.train(mode, steps, example.build_mesh(mode))
+        err = max(
+            ((p - q).abs().max() / q.abs().max()).item() for p, q in zip(got["params"], single["params"])
+        )
+        out[mode] = {"losses": got["losses"], "param_rel_err": err, "bytes": got["bytes"]}
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dsp_video_example_equals_one_process_and_moves_less_than_ulysses(dist_pool, world):
+    """Losses and the parameters after 3 SGD steps (every gradient) equal one process's, under DSP and under
+    Ulysses; DSP sends 4 switches of the activation per block (2 forward, 2 backward), at most half of
+    Ulysses' all-to-alls (comm_volume's formula)."""
+    example = load_example("dsp_video")
+    shard = example.B * (example.T // world) * example.S * example.C * 8  # one block's activation, fp64
+    switch = (world - 1) * shard // world
+    for res in dist_pool(world).run(dsp_ab, 3):
+        for mode in ("dsp", "ulysses"):
+            got = res[mode]
+            assert got["param_rel_err"] <= 1e-5, (mode, got)
+            for a, b in zip(got["losses"], res["single"]):
+                assert abs(a - b) <= 1e-5 * abs(b), (mode, got["losses"], res["single"])
+        assert res["dsp"]["bytes"] == example.BLOCKS * 4 * switch
+        section = SequenceParallelConfig(size=world, ulysses_degree=world, attention="ulysses")
+        layer = attention_layer_bytes(
+            section,
+            example.T,
+            example.H,
+            example.H,
+            example.C // example.H,
+            batch=example.B * example.S,
+            element_bytes=8,
+        )  # the temporal attention's all-to-alls (with the backward's rowsum when heads do not pipeline)
+        assert res["ulysses"]["bytes"] == example.BLOCKS * layer.total >= 2 * res["dsp"]["bytes"]
+
+
+def test_dsp_video_runs_under_torchrun():
+    cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "examples/dsp_video.py", "--steps", "2"]
+    done = run_launcher(cmd, cwd=str(ROOT))
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert out.count("dsp: 131,072 bytes sent per rank per step (P = 2)") == 1, out[-4000:]  # rank 0 only
+    assert out.count("step 1: loss") == 1, out[-4000:]
