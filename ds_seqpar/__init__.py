@@ -9,6 +9,7 @@ Public API (more arrives with the attention, data and engine modules):
 * :class:`UnsupportedModelError`: a model feature ds_seqpar cannot honour (named; see docs/models.md).
 * :class:`LayoutError`: a sequence length or shard that the token layout cannot split (a ValueError).
 * :func:`attention`: exact attention over the SP group (USP / Ulysses / ring, per the config);
+  :func:`cross_attention`: exact cross-attention over the ring (rotate the queries or K/V, by size);
   :func:`input_layout`: the token layout the data side shards with; :func:`sparse_stats`: per-layer
   imbalance ratio and density of ``attention: "sparse_ring"``; :func:`linear_attention`: linear
   attention (All-Scan over the ring) for linear and hybrid models.
@@ -36,6 +37,7 @@ from ds_seqpar.layout import LayoutError
 from ds_seqpar.loss import sp_causal_lm_loss
 from ds_seqpar.memory import MemoryEstimate, largest_seq_len, memory_estimate
 from ds_seqpar.mesh import DeepSpeedMPU, MeshCoords, MeshPlan, SeqParMesh, plan_mesh
+from ds_seqpar.parallel.cross import cross_attention
 from ds_seqpar.parallel.linear_scan import linear_attention
 from ds_seqpar.parallel.sparse_ring import SparseLayerStats, sparse_stats
 from ds_seqpar.parallel.usp import attention, input_layout
@@ -65,6 +67,7 @@ __all__ = [
     "__version__",
     "accelerate_prepare",
     "attention",
+    "cross_attention",
     "disable_sequence_parallel",
     "enable_sequence_parallel",
     "initialize",

@@ -1,0 +1,195 @@
+"""Exact cross-attention under SP: rotate the queries (LV-XAttn) or rotate K/V (the ring), chosen by size.
+
+Legend: R = ring ranks (the mesh's ring group; U = 1), q ``[B, n_q, H, D]`` this rank's contiguous part of
+the S_q queries, k / v ``[B, n_kv, H_kv, D]`` its contiguous part of the S_kv keys (n = S / R), b / a bytes
+per element of the inputs / of the accumulator dtype (fp32, fp64 for fp64 inputs). No causal mask (the
+query and key sequences differ); ``kv_mask`` ``[B, n_kv]`` marks real keys (False = padding).
+
+``rotate_q`` (ALGORITHMS.md §12): K/V stay. The query block travels the ring with its partial
+(out, lse), which every rank merges its block into and which is home after R sends; backward moves
+(q, dout, out, lse) with a dQ accumulator, and dK / dV never move. ``rotate_kv``: the ring: K/V (and
+the key mask) travel, dK / dV accumulators follow them home in backward. Both run on the ring's own
+``RingSchedule`` (``comm/p2p.py``), whose travelling accumulators carry the partial results.
+
+Bytes one rank sends per layer (kind ``p2p``, :func:`cross_bytes`, tested exactly):
+    rotate_q   fwd (R − 1)·B·n_q·H·D·b + R·B·n_q·H·(D + 1)·a
+               bwd (R − 1)·B·n_q·H·(3D·b + a) + R·B·n_q·H·D·a
+    rotate_kv  fwd (R − 1)·B·n_kv·(2·H_kv·D·b + m)                 m = 1 with a key mask, else 0
+               bwd (R − 1)·B·n_kv·(2·H_kv·D·b + m) + R·2·B·n_kv·H_kv·D·a
+``schedule="auto"`` rotates the queries when S_q·H < S_kv·H_kv (the smaller side moves), else K/V.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ds_seqpar.comm.p2p import RingComm, RingSchedule
+from ds_seqpar.mesh import SeqParMesh
+from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward
+from ds_seqpar.ops.merge import merge_attn_
+
+CROSS_SCHEDULES = ("auto", "rotate_q", "rotate_kv")
+
+
+def choose_cross_schedule(q_tokens: int, heads: int, kv_tokens: int, kv_heads: int) -> str:
+    """``rotate_q`` when S_q·H < S_kv·H_kv (the queries are the smaller side), else ``rotate_kv``."""
+    return "rotate_q" if q_tokens * heads < kv_tokens * kv_heads else "rotate_kv"
+
+
+def cross_bytes(
+    schedule: str, batch: int, q_tokens: int, kv_tokens: int, heads: int, kv_heads: int, head_dim: int,
+    element_bytes: int, ring: int, kv_mask: bool = False, backward: bool = False,
+) -> int:  # fmt: skip
+    """Bytes one rank sends in one cross-attention layer (the module docstring's formulas); ``q_tokens`` /
+    ``kv_tokens`` = n_q / n_kv per rank."""
+    if ring == 1:
+        return 0
+    b, a = element_bytes, 8 if element_bytes == 8 else 4
+    if schedule == "rotate_q":
+        rows = batch * q_tokens * heads
+        if backward:
+            return (ring - 1) * rows * (3 * head_dim * b + a) + ring * rows * head_dim * a
+        return (ring - 1) * rows * head_dim * b + ring * rows * (head_dim + 1) * a
+    if schedule == "rotate_kv":
+        kv = (ring - 1) * batch * kv_tokens * (2 * kv_heads * head_dim * b + (1 if kv_mask else 0))
+        return kv + (ring * 2 * batch * kv_tokens * kv_heads * head_dim * a if backward else 0)
+    raise ValueError(f"cross-attention schedule={schedule!r}; valid: rotate_q, rotate_kv")
+
+
+def _mask(q: torch.Tensor, kv_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A key mask ``[B, n_kv]`` as the kernels' ``[B, n_q, n_kv]``."""
+    if kv_mask is None:
+        return None
+    return kv_mask.bool()[:, None, :].expand(q.shape[0], q.shape[1], kv_mask.shape[-1])
+
+
+def _ring(mesh: SeqParMesh) -> RingSchedule:
+    c = mesh.coords
+    return RingSchedule(RingComm(mesh.group("ring"), mesh.members["ring"], c.ring_rank, mesh.comm_stats))
+
+
+class _CrossAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q, k, v, kv_mask, mesh, scale, schedule):
+        ring = _ring(mesh)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out = lse = None
+        if schedule == "rotate_kv":
+            payload = (k, v) if kv_mask is None else (k, v, kv_mask.to(torch.uint8))
+            for _, block in ring.forward(payload):
+                o, o_lse = block_attn_forward(
+                    q, block[0], block[1], scale=scale, mask=_mask(q, *block[2:3] or (None,))
+                )
+                if out is None:
+                    out, lse = o.to(acc), o_lse
+                else:
+                    merge_attn_(out, lse, o.to(acc), o_lse, consume=True)
+        else:  # the query block and its partial (out, lse) travel; K/V stay
+            steps = ring.backward((q,))
+            _, (q_blk,) = next(steps)
+            while True:
+                o, o_lse = block_attn_forward(q_blk, k, v, scale=scale, mask=_mask(q_blk, kv_mask))
+                arrived = ring.incoming()
+                if arrived is None:
+                    partial = [o.to(acc).contiguous(), o_lse.contiguous()]
+                else:
+                    merge_attn_(arrived[0], arrived[1], o.to(acc), o_lse, consume=True)
+                    partial = list(arrived)
+                try:
+                    _, (q_blk,) = steps.send(partial)
+                except StopIteration as done:
+                    out, lse = done.value
+                    break
+        ctx.save_for_backward(q, k, v, kv_mask, out.to(q.dtype), lse)
+        ctx.mesh, ctx.scale, ctx.schedule = mesh, scale, schedule
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor):
+        q, k, v, kv_mask, out, lse = ctx.saved_tensors
+        ring, scale = _ring(ctx.mesh), ctx.scale
+        dout = dout.contiguous()
+        if ctx.schedule == "rotate_kv":
+            dq = None
+            payload = (k, v) if kv_mask is None else (k, v, kv_mask.to(torch.uint8))
+            steps = ring.backward(payload)
+            _, block = next(steps)
+            while True:
+                dq_p, dk_p, dv_p = block_attn_backward(
+                    dout, q, block[0], block[1], out, lse, scale=scale, mask=_mask(q, *block[2:3] or (None,))
+                )
+                dq = dq_p if dq is None else dq.add_(dq_p)
+                try:
+                    _, block = steps.send([dk_p, dv_p])
+                except StopIteration as done:
+                    dk, dv = done.value
+                    break
+        else:  # (q, dout, out, lse) travel with a dQ accumulator; dK / dV stay
+            dk = dv = None
+            steps = ring.backward((q, dout, out, lse))
+            _, packet = next(steps)
+            while True:
+                dq_p, dk_p, dv_p = block_attn_backward(*packet[1:2], packet[0], k, v, *packet[2:], scale=scale,
+                                                       mask=_mask(packet[0], kv_mask))  # fmt: skip
+                dk = dk_p if dk is None else dk.add_(dk_p)
+                dv = dv_p if dv is None else dv.add_(dv_p)
+                try:
+                    _, packet = steps.send([dq_p])
+                except StopIteration as done:
+                    (dq,) = done.value
+                    break
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def cross_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mesh: SeqParMesh,
+    kv_mask: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    schedule: str = "auto",
+) -> torch.Tensor:
+    """Exact (non-causal) attention of this rank's queries over the keys of every rank of the ring.
+
+    Args:
+        q: ``[B, n_q, H, D]``, this rank's contiguous part of the queries (n_q = S_q / R);
+            k, v: ``[B, n_kv, H_kv, D]``, its contiguous part of the keys / values (H % H_kv == 0).
+        kv_mask: None, or bool ``[B, n_kv]``: True for real keys (padding False).
+        schedule: ``auto`` (:func:`choose_cross_schedule`), ``rotate_q`` or ``rotate_kv``.
+
+    Returns ``out [B, n_q, H, D]`` in q.dtype, differentiable in q, k, v. Checks run before any collective.
+    """
+    if schedule not in CROSS_SCHEDULES:
+        raise ValueError(f"cross_attention schedule={schedule!r}; valid: {', '.join(CROSS_SCHEDULES)}")
+    if mesh.ulysses_size != 1:
+        raise ValueError(
+            f"cross_attention runs on the ring axis; the mesh has ulysses_degree={mesh.ulysses_size}: build it "
+            "with ulysses_degree=1 (Ulysses over heads for cross-attention is not built)"
+        )
+    if (
+        q.dim() != 4
+        or k.dim() != 4
+        or k.shape != v.shape
+        or q.shape[0] != k.shape[0]
+        or q.shape[3] != k.shape[3]
+    ):
+        raise ValueError(
+            f"cross_attention takes q [B, n_q, H, D] and k, v [B, n_kv, H_kv, D]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"cross_attention: H={q.shape[2]} query heads are not a multiple of H_kv={k.shape[2]}"
+        )
+    if kv_mask is not None and tuple(kv_mask.shape) != tuple(k.shape[:2]):
+        raise ValueError(f"kv_mask {tuple(kv_mask.shape)} must be [B, n_kv] = {tuple(k.shape[:2])}")
+    if schedule == "auto":
+        schedule = choose_cross_schedule(q.shape[1], q.shape[2], k.shape[1], k.shape[2])
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if mesh.ring_size == 1:
+        schedule = "rotate_kv"  # one rank: a single block either way
+    return _CrossAttention.apply(q, k, v, kv_mask, mesh, scale, schedule)
