@@ -89,3 +89,16 @@ def test_bad_schedule_is_refused():
             mesh=None,
             schedule="ring",
         )
+
+
+def test_the_mesh_kernel_is_honoured():
+    """``sequence_parallel.kernel`` reaches the block calls: a kernel this device lacks fails before any ring."""
+    from types import SimpleNamespace
+
+    from ds_seqpar import SequenceParallelConfig
+
+    config = SequenceParallelConfig(size=2, ulysses_degree=1, kernel="cuda_sdpa")
+    mesh = SimpleNamespace(ulysses_size=1, ring_size=2, config=config, settings=config)
+    x = torch.zeros(1, 2, 2, 4)
+    with pytest.raises(ValueError, match="cuda_sdpa"):
+        cross_attention(x, x, x, mesh=mesh)

@@ -27,7 +27,7 @@ import torch
 
 from ds_seqpar.comm.p2p import RingComm, RingSchedule
 from ds_seqpar.mesh import SeqParMesh
-from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward
+from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward, resolve_kernel
 from ds_seqpar.ops.merge import merge_attn_
 
 CROSS_SCHEDULES = ("auto", "rotate_q", "rotate_kv")
@@ -72,7 +72,7 @@ def _ring(mesh: SeqParMesh) -> RingSchedule:
 
 class _CrossAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q, k, v, kv_mask, mesh, scale, schedule):
+    def forward(ctx: Any, q, k, v, kv_mask, mesh, scale, schedule, kernel):
         ring = _ring(mesh)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = lse = None
@@ -80,7 +80,7 @@ class _CrossAttention(torch.autograd.Function):
             payload = (k, v) if kv_mask is None else (k, v, kv_mask.to(torch.uint8))
             for _, block in ring.forward(payload):
                 o, o_lse = block_attn_forward(
-                    q, block[0], block[1], scale=scale, mask=_mask(q, *block[2:3] or (None,))
+                    q, block[0], block[1], scale=scale, mask=_mask(q, *block[2:3] or (None,)), kernel=kernel
                 )
                 if out is None:
                     out, lse = o.to(acc), o_lse
@@ -90,7 +90,9 @@ class _CrossAttention(torch.autograd.Function):
             steps = ring.backward((q,))
             _, (q_blk,) = next(steps)
             while True:
-                o, o_lse = block_attn_forward(q_blk, k, v, scale=scale, mask=_mask(q_blk, kv_mask))
+                o, o_lse = block_attn_forward(
+                    q_blk, k, v, scale=scale, mask=_mask(q_blk, kv_mask), kernel=kernel
+                )
                 arrived = ring.incoming()
                 if arrived is None:
                     partial = [o.to(acc).contiguous(), o_lse.contiguous()]
@@ -103,13 +105,13 @@ class _CrossAttention(torch.autograd.Function):
                     out, lse = done.value
                     break
         ctx.save_for_backward(q, k, v, kv_mask, out.to(q.dtype), lse)
-        ctx.mesh, ctx.scale, ctx.schedule = mesh, scale, schedule
+        ctx.mesh, ctx.scale, ctx.schedule, ctx.kernel = mesh, scale, schedule, kernel
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor):
         q, k, v, kv_mask, out, lse = ctx.saved_tensors
-        ring, scale = _ring(ctx.mesh), ctx.scale
+        ring, scale, kernel = _ring(ctx.mesh), ctx.scale, ctx.kernel
         dout = dout.contiguous()
         if ctx.schedule == "rotate_kv":
             dq = None
@@ -118,7 +120,15 @@ class _CrossAttention(torch.autograd.Function):
             _, block = next(steps)
             while True:
                 dq_p, dk_p, dv_p = block_attn_backward(
-                    dout, q, block[0], block[1], out, lse, scale=scale, mask=_mask(q, *block[2:3] or (None,))
+                    dout,
+                    q,
+                    block[0],
+                    block[1],
+                    out,
+                    lse,
+                    scale=scale,
+                    mask=_mask(q, *block[2:3] or (None,)),
+                    kernel=kernel,
                 )
                 dq = dq_p if dq is None else dq.add_(dq_p)
                 try:
@@ -132,7 +142,7 @@ class _CrossAttention(torch.autograd.Function):
             _, packet = next(steps)
             while True:
                 dq_p, dk_p, dv_p = block_attn_backward(*packet[1:2], packet[0], k, v, *packet[2:], scale=scale,
-                                                       mask=_mask(packet[0], kv_mask))  # fmt: skip
+                                                       mask=_mask(packet[0], kv_mask), kernel=kernel)  # fmt: skip
                 dk = dk_p if dk is None else dk.add_(dk_p)
                 dv = dv_p if dv is None else dv.add_(dv_p)
                 try:
@@ -140,7 +150,7 @@ class _CrossAttention(torch.autograd.Function):
                 except StopIteration as done:
                     (dq,) = done.value
                     break
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def cross_attention(
@@ -160,6 +170,7 @@ def cross_attention(
             k, v: ``[B, n_kv, H_kv, D]``, its contiguous part of the keys / values (H % H_kv == 0).
         kv_mask: None, or bool ``[B, n_kv]``: True for real keys (padding False).
         schedule: ``auto`` (:func:`choose_cross_schedule`), ``rotate_q`` or ``rotate_kv``.
+    The block kernel is the mesh's ``sequence_parallel.kernel`` ("auto" when the mesh has no section).
 
     Returns ``out [B, n_q, H, D]`` in q.dtype, differentiable in q, k, v. Checks run before any collective.
     """
@@ -192,4 +203,6 @@ def cross_attention(
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if mesh.ring_size == 1:
         schedule = "rotate_kv"  # one rank: a single block either way
-    return _CrossAttention.apply(q, k, v, kv_mask, mesh, scale, schedule)
+    kernel = mesh.settings.kernel if mesh.config is not None else "auto"  # sequence_parallel.kernel
+    resolve_kernel(kernel, q.device, q.dtype, None)  # an unavailable kernel fails here, not mid-ring
+    return _CrossAttention.apply(q, k, v, kv_mask, mesh, scale, schedule, kernel)
