@@ -14,7 +14,8 @@ Public API (more arrives with the attention, data and engine modules):
   imbalance ratio and density of ``attention: "sparse_ring"``; :func:`linear_attention`: linear
   attention (All-Scan over the ring) for linear and hybrid models.
 * :func:`initialize`: ``deepspeed.initialize`` with the section honoured (mesh, mpu, HF attention
-  routing, SP loss, sharding DataLoader); :class:`SeqParCausalLM`, :func:`shard_batch`,
+  routing, SP loss, sharding DataLoader); :class:`SeqParCausalLM` (:class:`SeqParMaskedLM` for
+  bidirectional encoders), :func:`shard_batch`,
   :func:`seqpar_dataloader`, :func:`sp_causal_lm_loss` are its parts.
 * :class:`SeqParTrainer` (HF Trainer), :func:`with_sequence_parallel` (any Trainer subclass, e.g.
   TRL's ``SFTTrainer``), :func:`accelerate_prepare` (a loop under ``accelerate launch``).
@@ -30,6 +31,7 @@ from ds_seqpar.integrations.deepspeed import initialize, install_deepspeed_guard
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
 from ds_seqpar.integrations.transformers import (
     SeqParCausalLM,
+    SeqParMaskedLM,
     disable_sequence_parallel,
     enable_sequence_parallel,
 )
@@ -57,6 +59,7 @@ __all__ = [
     "SeqParCausalLM",
     "SeqParCollator",
     "SeqParConfigError",
+    "SeqParMaskedLM",
     "SeqParMesh",
     "SeqParTrainer",
     "SequenceParallelConfig",

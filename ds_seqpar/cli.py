@@ -6,7 +6,9 @@
 Without ``--model`` / ``--data`` it runs the embedded default: the shipped tiny Llama
 (``assets/tiny-llama``, random init) learns passkey retrieval at 4096 tokens, where the answer sits
 a whole sequence before the question (``ds_seqpar.tasks.passkey``); it prints retrieval accuracy
-before and after. Outputs (``--output-dir``): ``metrics.jsonl`` (one line per step and per eval),
+before and after. ``--objective mlm`` trains a masked-LM encoder instead (default: the shipped tiny
+ModernBERT, ``assets/tiny-modernbert``, on the same passkey samples, 15 % of the tokens masked per sample
+by ``ds_seqpar.tasks.masking``; accuracy is over the masked tokens). Outputs (``--output-dir``): ``metrics.jsonl`` (one line per step and per eval),
 DeepSpeed checkpoints under ``checkpoints/`` every ``--save-every`` steps (``--resume`` continues
 from the latest), and the final HF model in ``hf_model/`` (``save_pretrained``, gathered from ZeRO-3).
 
@@ -31,6 +33,9 @@ from ds_seqpar.config import MissingFileError, SeqParConfigError, load_config, p
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = REPO / "assets" / "tiny-llama"
+DEFAULT_MLM_MODEL = REPO / "assets" / "tiny-modernbert"
+OBJECTIVES = ("causal", "mlm")  # --objective: next-token or masked-LM loss
+MLM_PROBABILITY = 0.15
 DEFAULT_CONFIG = REPO / "ds_configs" / "usp_zero3.json"
 DEFAULT_TASK_LR = 3e-3
 DEFAULT_CURRICULUM = "1024:400"
@@ -77,7 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=None,
-        help="HF model directory for from_pretrained (default: shipped tiny Llama, random init)",
+        help="HF model directory for from_pretrained (default: shipped tiny Llama, or tiny ModernBERT for "
+        "--objective mlm; random init)",
+    )
+    p.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="causal",
+        help="causal: next-token loss of a causal LM; mlm: masked-LM loss of a bidirectional encoder "
+        f"(*ForMaskedLM, e.g. ModernBERT; {MLM_PROBABILITY * 100:.0f}%% of the tokens masked; default model "
+        "assets/tiny-modernbert)",
     )
     p.add_argument(
         "--trust-remote-code", action="store_true", help="allow custom model code when loading --model"
@@ -227,7 +241,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not section.enabled:
         raise SeqParConfigError(f"{args.ds_config}: sequence_parallel.enabled is false; train.py needs it on")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    section.validate(_model_config(args), world)  # heads vs U, world vs size: before any process group
+    config = _model_config(args)
+    _check_objective(args, config, parser)
+    section.validate(config, world)  # heads vs U, world vs size: before any process group
     _check_monitor(ds_config, args.ds_config, args.output_dir)
     args.section, args.ds_config_dict = section, ds_config
     return args
@@ -308,10 +324,48 @@ def max_seq_len_search(args: argparse.Namespace, world: int) -> int:
     return best
 
 
+def model_path(args: argparse.Namespace) -> str | Path:
+    """``--model``, else the shipped tiny model of ``--objective``."""
+    return args.model or (DEFAULT_MLM_MODEL if args.objective == "mlm" else DEFAULT_MODEL)
+
+
+def _check_objective(args: argparse.Namespace, config: Any, parser: argparse.ArgumentParser) -> None:
+    """``--objective`` must fit the model: a masked-LM head for mlm, no encoder-only model for causal."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    kind = getattr(config, "model_type", None)
+    if args.objective == "mlm" and kind not in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        parser.error(
+            f"--objective mlm: the model at {model_path(args)} (model_type={kind!r}) has no masked-LM class in "
+            "transformers; valid: an encoder such as modernbert or bert (assets/tiny-modernbert), or --objective causal"
+        )
+    if args.objective == "mlm":
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path(args), trust_remote_code=args.trust_remote_code)
+        if tokenizer.mask_token_id is None:
+            parser.error(
+                f"--objective mlm: the tokenizer at {model_path(args)} has no mask token; set mask_token in its "
+                "tokenizer_config.json"
+            )
+    if (
+        args.objective == "causal"
+        and kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+        and kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    ):
+        parser.error(
+            f"the model at {model_path(args)} (model_type={kind!r}) is a masked-LM encoder, not a causal LM: "
+            "pass --objective mlm"
+        )
+
+
 def _model_config(args: argparse.Namespace) -> Any:
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(args.model or DEFAULT_MODEL, trust_remote_code=args.trust_remote_code)
+    config = AutoConfig.from_pretrained(model_path(args), trust_remote_code=args.trust_remote_code)
     if args.rope_scaling:
         # transformers 5 reads RoPE settings from config.rope_parameters (rope_scaling is deprecated)
         params = dict(getattr(config, "rope_parameters", None) or {})
@@ -324,19 +378,40 @@ def _model_config(args: argparse.Namespace) -> Any:
 
 
 def _build_model(args: argparse.Namespace) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
     config = _model_config(args)
+    auto = AutoModelForMaskedLM if args.objective == "mlm" else AutoModelForCausalLM
     if args.model is None or args.random_init:
         torch.manual_seed(args.seed)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return AutoModelForCausalLM.from_pretrained(
+        return auto.from_config(config, dtype=torch.float32)
+    return auto.from_pretrained(
         args.model, config=config, trust_remote_code=args.trust_remote_code, dtype=torch.float32
     )
 
 
 def _datasets(args: argparse.Namespace, tokenizer: Any, num_train: int) -> tuple[list[Any], Any]:
-    """One training dataset per curriculum phase, and the held-out set (at ``--seq-len``)."""
+    """One training dataset per curriculum phase, and the held-out set (at ``--seq-len``); masked per
+    sample for ``--objective mlm`` (the held-out set with another seed)."""
+    train, held = _token_datasets(args, tokenizer, num_train)
+    if args.objective != "mlm":
+        return train, held
+    from ds_seqpar.tasks.masking import MaskedLMDataset
+
+    def masked(data: Any, seed: int) -> MaskedLMDataset:
+        return MaskedLMDataset(
+            data,
+            mask_token_id=tokenizer.mask_token_id,
+            vocab_size=len(tokenizer),
+            probability=MLM_PROBABILITY,
+            special_ids=tokenizer.all_special_ids,
+            seed=seed,
+        )
+
+    return [masked(d, args.seed * 7 + i) for i, d in enumerate(train)], masked(held, 10**6 + args.seed)
+
+
+def _token_datasets(args: argparse.Namespace, tokenizer: Any, num_train: int) -> tuple[list[Any], Any]:
     from ds_seqpar.tasks.passkey import PasskeyDataset, PasskeyTask
     from ds_seqpar.tasks.text import PackedTextDataset
 
@@ -563,9 +638,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     init_distributed(args.section.fault_timeout_s)
     rank = dist.get_rank()
     out_dir = Path(args.output_dir)
-    tokenizer = AutoTokenizer.from_pretrained(
-        args.model or DEFAULT_MODEL, trust_remote_code=args.trust_remote_code
-    )
+    tokenizer = AutoTokenizer.from_pretrained(model_path(args), trust_remote_code=args.trust_remote_code)
     model = _build_model(args)
     ds_config = dict(args.ds_config_dict)
     ds_config["sequence_parallel"] = args.section.model_dump(
@@ -597,7 +670,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     def loader_for(dataset: Any, shuffle: bool, drop_last: bool = True) -> Any:
         return ds_seqpar.seqpar_dataloader(
-            dataset, mesh, micro, shuffle=shuffle, seed=args.seed, pad_token_id=pad, drop_last=drop_last
+            dataset,
+            mesh,
+            micro,
+            shuffle=shuffle,
+            seed=args.seed,
+            pad_token_id=pad,
+            drop_last=drop_last,
+            objective=engine.module.objective,
         )
 
     eval_loader = loader_for(eval_set, shuffle=False, drop_last=False)
@@ -693,7 +773,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if rank == 0:
         print(
             f"done: {step} steps; accuracy {first_eval['eval_accuracy']:.3f} -> {last['eval_accuracy']:.3f}"
-            + (f" (passkey retrieval, chance {1 / PASSKEYS:.3f})" if args.data is None else "")
+            + (
+                f" (passkey retrieval, chance {1 / PASSKEYS:.3f})"
+                if args.data is None and args.objective == "causal"
+                else " (masked tokens)"
+                if args.objective == "mlm"
+                else ""
+            )
             + f"; metrics {summary['metrics']}, checkpoints {ckpt_dir}"
             + ("" if args.no_export else f", HF model {summary['hf_model']}"),
             flush=True,

@@ -18,7 +18,12 @@ Every rank of an SP group receives the SAME full batch (the sampler uses the dp 
 
 Outputs (a dict): ``input_ids [B, n]``, ``shift_labels [B, n]``, ``position_ids [B, n]``,
 ``doc_ids [B, S] | None`` (global order, consumed by the attention of every layer) and
-``seq_len`` (S). ``SeqParCollator`` wraps any collator; ``seqpar_dataloader`` builds a DataLoader
+``seq_len`` (S).
+
+``objective="masked"`` (bidirectional encoders, ``SeqParMaskedLM``): labels are NOT shifted (the label
+of a token is its own masked-out id; output key ``labels``), and every padded position (the layout's
+end padding included) gets document id -1, because a bidirectional attention would otherwise let
+real tokens see the padding. ``SeqParCollator`` wraps any collator; ``seqpar_dataloader`` builds a DataLoader
 whose sampler splits the data over the dp ranks only.
 """
 
@@ -69,18 +74,39 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
+OBJECTIVES = ("causal", "masked")
+
+
+def check_objective(objective: str) -> str:
+    if objective not in OBJECTIVES:
+        raise ValueError(
+            f"objective={objective!r}; valid: 'causal' (next-token loss, labels pre-shifted) or 'masked' "
+            "(masked-LM loss of a bidirectional encoder, labels at their own tokens)"
+        )
+    return objective
+
+
 def shard_batch(
-    batch: dict[str, Any], mesh: SeqParMesh, *, pad_token_id: int = 0, layout: UspLayout | None = None
+    batch: dict[str, Any],
+    mesh: SeqParMesh,
+    *,
+    pad_token_id: int = 0,
+    layout: UspLayout | None = None,
+    objective: str = "causal",
 ) -> dict[str, Any]:
     """This rank's shard of a full batch (see the module docstring).
 
     Args:
-        batch: ``input_ids [B, S0]`` and optionally ``labels`` (default: the input ids),
-            ``attention_mask`` (0 = padding), ``position_ids`` (restarting per packed document).
+        batch: ``input_ids [B, S0]`` and optionally ``labels`` (default: the input ids; the masked
+            objective needs them), ``attention_mask`` (0 = padding), ``position_ids`` (restarting per
+            packed document).
         mesh: the SP mesh; the shard is ``mesh.coords.sp_rank``'s.
         pad_token_id: id used to pad ``input_ids`` to the layout's multiple.
         layout: defaults to ``input_layout(mesh)``.
+        objective: ``"causal"`` (pre-shifted ``shift_labels``) or ``"masked"`` (unshifted ``labels``,
+            padding always masked out of the attention through ``doc_ids``).
     """
+    masked = check_objective(objective) == "masked"
     if "input_ids" not in batch:
         raise ValueError(f"shard_batch needs 'input_ids' in the batch; got keys {sorted(batch)}")
     unknown = sorted(k for k in batch if k not in BATCH_KEYS and k not in PACKED_BOUNDARY_KEYS)
@@ -95,6 +121,11 @@ def shard_batch(
     if ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, S]; got shape {tuple(ids.shape)}")
     b, s0 = ids.shape
+    if masked and batch.get("labels") is None:
+        raise ValueError(
+            "shard_batch(objective='masked') needs 'labels': the original ids at the masked positions and -100 "
+            "elsewhere (ds_seqpar.tasks.masking.mask_tokens builds them)"
+        )
     labels = torch.as_tensor(batch["labels"]) if batch.get("labels") is not None else ids.clone()
     positions = batch.get("position_ids")
     attn = batch.get("attention_mask")
@@ -108,7 +139,7 @@ def shard_batch(
     if attn is not None:
         attn = torch.as_tensor(attn).bool()
         labels = labels.masked_fill(~attn, IGNORE_INDEX)
-    shifted = shift_labels(labels)
+    shifted = labels if masked else shift_labels(labels)
     if attn is not None:
         shifted = shifted.masked_fill(~attn, IGNORE_INDEX)  # padding queries predict nothing
 
@@ -118,17 +149,20 @@ def shard_batch(
     positions = torch.as_tensor(positions).long()
     doc_ids = None
     padded_inside = attn is not None and not bool(attn.all())
-    if packed or padded_inside:
+    padded_end = masked and seq_len > s0  # a bidirectional attention would see the end padding
+    if packed or padded_inside or padded_end:
         doc_ids = doc_ids_from_positions(positions) if packed else torch.zeros(b, s0, dtype=torch.long)
         if padded_inside:
             doc_ids = doc_ids.masked_fill(~attn, -1)
         doc_ids = _pad_right(doc_ids, seq_len, -1)
-        if packed and int(doc_ids.max()) == 0 and not padded_inside:
+        if packed and int(doc_ids.max()) == 0 and not padded_inside and not padded_end:
             doc_ids = None  # one document per row: the plain causal mask is exact
     rank = mesh.coords.sp_rank
     return {
         "input_ids": layout.shard(_pad_right(ids, seq_len, pad_token_id), rank),
-        "shift_labels": layout.shard(_pad_right(shifted, seq_len, IGNORE_INDEX), rank),
+        ("labels" if masked else "shift_labels"): layout.shard(
+            _pad_right(shifted, seq_len, IGNORE_INDEX), rank
+        ),
         "position_ids": layout.shard(_continue_positions(positions, seq_len), rank),
         "doc_ids": doc_ids,
         "seq_len": seq_len,
@@ -189,13 +223,16 @@ class SeqParCollator:
         mesh: SeqParMesh,
         base: Callable[[Sequence[Any]], dict[str, Any]] | None = None,
         pad_token_id: int = 0,
+        objective: str = "causal",
     ) -> None:
         self.mesh = mesh
         self.base = base or _stack
         self.pad_token_id = pad_token_id
+        self.objective = check_objective(objective)
 
     def __call__(self, examples: Sequence[Any]) -> dict[str, Any]:
-        return shard_batch(dict(self.base(examples)), self.mesh, pad_token_id=self.pad_token_id)
+        batch = dict(self.base(examples))
+        return shard_batch(batch, self.mesh, pad_token_id=self.pad_token_id, objective=self.objective)
 
 
 def seqpar_dataloader(
@@ -208,6 +245,7 @@ def seqpar_dataloader(
     seed: int = 0,
     pad_token_id: int = 0,
     drop_last: bool = True,
+    objective: str = "causal",
     **loader_kwargs: Any,
 ) -> DataLoader:
     """A DataLoader over ``dataset`` for this rank: dp-sharded sampling, SP-sharded sequences.
@@ -229,7 +267,7 @@ def seqpar_dataloader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
-        collate_fn=SeqParCollator(mesh, collate_fn, pad_token_id),
+        collate_fn=SeqParCollator(mesh, collate_fn, pad_token_id, objective),
         drop_last=drop_last,
         **loader_kwargs,
     )

@@ -18,9 +18,61 @@ FEATURE_MODELS = {
 }
 
 
+# bidirectional encoders with a masked-LM head
+ENCODER_MODELS = ("modernbert", "bert")
+MASK_ID = 4  # the tiny encoders' mask token
+
+
+def tiny_encoder(kind: str, seed: int = 0) -> torch.nn.Module:
+    """A float32 masked-LM encoder of 3 layers: ``modernbert`` (RoPE, local attention of 16 = a symmetric
+    window of 8 on layers 0 and 1, global layer 2) or ``bert`` (absolute learned positions)."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                  max_position_embeddings=512, pad_token_id=0)  # fmt: skip
+    if kind == "modernbert":
+        cfg = transformers.ModernBertConfig(
+            local_attention=16, global_attn_every_n_layers=3, attention_dropout=0.0, mlp_dropout=0.0,
+            embedding_dropout=0.0, classifier_dropout=0.0, mask_token_id=MASK_ID, bos_token_id=1, eos_token_id=2,
+            sep_token_id=2, cls_token_id=1, **common,
+        )  # fmt: skip
+        cls = transformers.ModernBertForMaskedLM
+    elif kind == "bert":
+        cfg = transformers.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **common)
+        cls = transformers.BertForMaskedLM
+    else:
+        raise ValueError(f"unknown tiny encoder kind {kind!r}")
+    torch.manual_seed(seed)
+    model = cls(cfg).float()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def masked_batches(
+    num: int, batch_size: int, seq_len: int, seed: int = 1, lengths: list[int] | None = None
+) -> list[dict[str, torch.Tensor]]:
+    """``num`` masked-LM batches ``{"input_ids", "labels"[, "position_ids"]}`` (15 % of the tokens masked);
+    ``lengths``: every row packs documents of these lengths (positions restart at 0 per document)."""
+    from ds_seqpar.tasks.masking import mask_tokens
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num):
+        ids = torch.randint(MASK_ID + 1, VOCAB, (batch_size, seq_len), generator=g)
+        ids, labels = mask_tokens(ids, mask_token_id=MASK_ID, vocab_size=VOCAB, generator=g)
+        batch = {"input_ids": ids, "labels": labels}
+        if lengths is not None:
+            batch["position_ids"] = torch.cat([torch.arange(n) for n in lengths]).expand(batch_size, seq_len)
+        out.append(batch)
+    return out
+
+
 def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
     """A float32 causal LM: ``llama``, ``mistral`` (sliding window), ``qwen3`` (H=8, H_kv=2), ``qwen3_moe``, or one of
-    :data:`FEATURE_MODELS` (Gemma 2 soft-caps, Granite logit divisor, Cohere logit scale, gpt-oss sinks)."""
+    :data:`FEATURE_MODELS` (Gemma 2 soft-caps, Granite logit divisor, Cohere logit scale, gpt-oss sinks); one of
+    :data:`ENCODER_MODELS` gives :func:`tiny_encoder`."""
+    if kind in ENCODER_MODELS:
+        return tiny_encoder(kind, seed)
     import transformers
     from transformers import (
         LlamaConfig,
@@ -98,7 +150,8 @@ def batches(num: int, batch_size: int, seq_len: int, seed: int = 1) -> list[dict
 
 
 def reference_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Non-SP token-mean next-token loss of a full batch (labels = input ids, shifted over the row).
+    """Non-SP token-mean next-token loss of a full batch (labels = input ids, shifted over the row); for a
+    masked-LM model the token-mean loss of ``labels`` at their own tokens (not shifted).
 
     Packed rows (``position_ids`` restarting per document) run each document as its own forward
     (HF's sdpa path does not separate packed documents when no mask is given), then the logits
@@ -118,7 +171,13 @@ def reference_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
     else:
         kwargs = {"attention_mask": batch["attention_mask"]} if "attention_mask" in batch else {}
         logits = model(input_ids=ids, **kwargs).logits
-    shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    from ds_seqpar.integrations.hf_model import objective_of
+
+    shifted = (
+        labels
+        if objective_of(model) == "masked"
+        else torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    )
     return torch.nn.functional.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1)
     )

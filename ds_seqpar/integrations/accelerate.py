@@ -129,5 +129,7 @@ def accelerate_prepare(
     return (
         engine,
         optimizer,
-        sharding_loader(train_dataset, mesh, ds_config, collate_fn, shuffle, seed, pad_token_id),
+        sharding_loader(
+            train_dataset, mesh, ds_config, collate_fn, shuffle, seed, pad_token_id, wrapped.objective
+        ),
     )

@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from ds_seqpar.config import SECTION, SeqParConfigError, load_config
 from ds_seqpar.data import seqpar_dataloader
-from ds_seqpar.integrations.transformers import SeqParCausalLM
+from ds_seqpar.integrations.hf_model import objective_of
+from ds_seqpar.integrations.transformers import SeqParCausalLM, SeqParMaskedLM
 from ds_seqpar.loss import sp_grad_scale
 from ds_seqpar.mesh import SeqParMesh
 
@@ -133,7 +134,9 @@ def initialize(
         mpu=mesh.mpu(),
         **deepspeed_kwargs,
     )
-    loader = sharding_loader(training_data, mesh, ds_config, collate_fn, shuffle, seed, pad_token_id)
+    loader = sharding_loader(
+        training_data, mesh, ds_config, collate_fn, shuffle, seed, pad_token_id, wrapped.objective
+    )
     engine.seqpar_mesh = mesh
     return engine, opt, loader, sched
 
@@ -141,9 +144,11 @@ def initialize(
 def wrap_for_training(
     model: torch.nn.Module, mesh: SeqParMesh, ds_config: dict[str, Any], loss_chunk_size: int
 ) -> SeqParCausalLM:
-    """``SeqParCausalLM(model)`` with the gradient factor of the config's ZeRO stage (``sp_grad_scale``)."""
+    """``SeqParCausalLM(model)`` (``SeqParMaskedLM`` for a masked-LM model, see ``objective_of``) with the
+    gradient factor of the config's ZeRO stage (``sp_grad_scale``)."""
     grad_scale = sp_grad_scale(zero_stage(ds_config), mesh.sp_size)
-    return SeqParCausalLM(model, mesh, grad_scale=grad_scale, loss_chunk_size=loss_chunk_size)
+    cls = SeqParMaskedLM if objective_of(model) == "masked" else SeqParCausalLM
+    return cls(model, mesh, grad_scale=grad_scale, loss_chunk_size=loss_chunk_size)
 
 
 def sharding_loader(
@@ -154,13 +159,21 @@ def sharding_loader(
     shuffle: bool,
     seed: int,
     pad_token_id: int,
+    objective: str = "causal",
 ) -> Any:
     """The sharding DataLoader over ``dataset`` at the config's micro batch (None without a dataset)."""
     if dataset is None:
         return None
     micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
     return seqpar_dataloader(
-        dataset, mesh, micro, collate_fn=collate_fn, shuffle=shuffle, seed=seed, pad_token_id=pad_token_id
+        dataset,
+        mesh,
+        micro,
+        collate_fn=collate_fn,
+        shuffle=shuffle,
+        seed=seed,
+        pad_token_id=pad_token_id,
+        objective=objective,
     )
 
 

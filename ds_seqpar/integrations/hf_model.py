@@ -39,6 +39,24 @@ def unwrap_hf_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def objective_of(model: torch.nn.Module) -> str:
+    """``"masked"`` for a HuggingFace masked-LM model (a class ``AutoModelForMaskedLM`` maps to: ModernBERT,
+    BERT, ...) that is not also a causal LM, else ``"causal"``; a PEFT wrapper is unwrapped first."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    name = type(unwrap_hf_model(model)).__name__
+    masked = {c for names in MODEL_FOR_MASKED_LM_MAPPING_NAMES.values() for c in _as_tuple(names)}
+    causal = {c for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for c in _as_tuple(names)}
+    return "masked" if name in masked and name not in causal else "causal"
+
+
+def _as_tuple(names: Any) -> tuple:
+    return tuple(names) if isinstance(names, list | tuple) else (names,)
+
+
 def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
     """The module that maps token ids to final hidden states (the language model of composite models)."""
     from transformers import PreTrainedModel
@@ -119,7 +137,7 @@ def _token_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return value.repeat_interleave(group, dim=1).transpose(1, 2).contiguous(), None
 
 
-def check_token_locality(model: torch.nn.Module, decoder: torch.nn.Module) -> None:
+def check_token_locality(model: torch.nn.Module, decoder: torch.nn.Module, objective: str = "causal") -> None:
     """One process, before any collective: everything but the attention must treat a token the same way
     in a shard as in the whole sequence, given its global position.
 
@@ -129,7 +147,8 @@ def check_token_locality(model: torch.nn.Module, decoder: torch.nn.Module) -> No
     positions itself (RoBERTa's padding offset, learned positions that ignore ``position_ids``) or mixes
     tokens outside the attention (a convolution, a token shift): refused by name. The model's own
     loss on the probe must also be the next-token cross-entropy of its logits (Whisper's decoder, for
-    one, does not shift its labels).
+    one, does not shift its labels), or for ``objective="masked"`` the cross-entropy of each token's
+    logits against its own label (a masked-LM head).
 
     Skipped when the parameters are not materialised (meta device, ZeRO-3 partitions).
     """
@@ -178,7 +197,7 @@ def check_token_locality(model: torch.nn.Module, decoder: torch.nn.Module) -> No
     if called:  # a convolution on the text path (a media encoder's is never called on text)
         _refuse_conv(model, decoder, called[0], convs[called[0]])
     tol = 1e-4 if whole.dtype in (torch.float32, torch.float64) else 5e-2
-    _check_next_token_loss(model, out, ids, tol)
+    _check_own_loss(model, out, ids, tol, objective)
     err = ((whole.double() - shard.double()).norm() / whole.double().norm().clamp(min=1e-30)).item()
     if not err <= tol:
         raise UnsupportedModelError(
@@ -206,19 +225,23 @@ def _refuse_conv(model: torch.nn.Module, decoder: torch.nn.Module, name: str, co
     )
 
 
-def _check_next_token_loss(model: torch.nn.Module, out: Any, ids: torch.Tensor, tol: float) -> None:
-    """The model's own loss for ``labels = input_ids`` must be the token-mean next-token cross-entropy of
-    its logits (what ds_seqpar computes); otherwise its loss has another convention or extra terms."""
+def _check_own_loss(model: torch.nn.Module, out: Any, ids: torch.Tensor, tol: float, objective: str) -> None:
+    """The model's own loss for ``labels = input_ids`` must be the token-mean cross-entropy of its logits
+    that ds_seqpar computes (next-token for ``causal``, same-token for ``masked``); otherwise its loss
+    has another convention or extra terms."""
     loss, logits = getattr(out, "loss", None), getattr(out, "logits", None)
     if loss is None or logits is None:
         return
-    logits = logits[:, :-1].float()
-    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    targets = ids[:, 1:] if objective == "causal" else ids
+    logits = (logits[:, :-1] if objective == "causal" else logits).float()
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
     if not abs(loss.item() - ce.item()) <= tol * max(abs(ce.item()), 1e-30):
+        what = "next-token" if objective == "causal" else "masked-token (unshifted)"
         raise UnsupportedModelError(
-            f"{type(model).__name__}'s own loss for labels = input_ids ({loss.item():.6g}) is not the next-token "
+            f"{type(model).__name__}'s own loss for labels = input_ids ({loss.item():.6g}) is not the {what} "
             f"cross-entropy of its logits ({ce.item():.6g}): it shifts labels differently or adds terms, which "
             "ds_seqpar's sequence-parallel loss does not reproduce; this model cannot run under ds_seqpar"
+            + (" (a masked-LM head: use ds_seqpar.SeqParMaskedLM)" if objective == "causal" else "")
         )
 
 

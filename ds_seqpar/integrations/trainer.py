@@ -287,6 +287,7 @@ class SeqParTrainerMixin:
         self.seqpar_pad_token_id = 0 if pad_token_id is None else int(pad_token_id)
         wrapped = wrap_for_training(model, self.seqpar_mesh, ds_config, loss_chunk_size)
         self.model = self.model_wrapped = wrapped
+        self.seqpar_objective = wrapped.objective  # how the data loader shards labels
         # the loss is already the SP group's token mean: let the Trainer divide by grad accumulation
         self.model_accepts_loss_kwargs = False
         self.seqpar_watch: StepWatch | None = None
@@ -310,6 +311,7 @@ class SeqParTrainerMixin:
             seed=args.data_seed if args.data_seed is not None else args.seed,
             pad_token_id=self.seqpar_pad_token_id,
             drop_last=args.dataloader_drop_last,
+            objective=self.seqpar_objective,
             **workers,
         )
 

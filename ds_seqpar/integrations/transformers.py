@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ds_seqpar.data import check_objective
 from ds_seqpar.integrations.hf_model import (
     ModelLogits,
     UnsupportedModelError,
@@ -70,11 +71,13 @@ class SeqParContext:
     layer_of: dict[int, int] = field(default_factory=dict)
     layers: set[int] = field(default_factory=set)
     windows: int = 0
+    bidirectional: int = 0
 
-    def record(self, module: torch.nn.Module, window: int | None = None) -> None:
+    def record(self, module: torch.nn.Module, window: int | None = None, causal: bool = True) -> None:
         """Count one sequence-parallel call of ``module`` (attention or linear attention)."""
         self.calls += 1
         self.windows += window is not None
+        self.bidirectional += not causal
         if id(module) in self.layer_of:
             self.layers.add(self.layer_of[id(module)])
 
@@ -226,7 +229,7 @@ def seqpar_attention_forward(
         softcap=softcap or None,
         sinks=_sinks(name, s_aux, query.shape[1]),
     )
-    ctx.record(module, window)
+    ctx.record(module, window, causal)
     return (out if v_dim is None else out[..., :v_dim]), None
 
 
@@ -343,16 +346,19 @@ class SeqParCausalLM(torch.nn.Module):
         loss_chunk_size: tokens per logits chunk.
     """
 
+    objective = "causal"  # SeqParMaskedLM: "masked"
+
     def __init__(
         self, model: torch.nn.Module, mesh: SeqParMesh, grad_scale: float = 1.0, loss_chunk_size: int = 1024
     ) -> None:
         super().__init__()
+        check_objective(self.objective)
         hf = unwrap_hf_model(model)
         decoder = decoder_of(hf)
         refuse_unhonoured_features(hf)
         refuse_recurrent_layers(hf)
         if getattr(hf, "_ds_seqpar_original_attn", None) is None and not has_routed_layers(hf):
-            check_token_locality(hf, decoder)  # one process, before the attention is switched
+            check_token_locality(hf, decoder, self.objective)  # one process, before the attention is switched
         self.model = enable_sequence_parallel(model)
         layer_of, num_layers, layers = _decoder_layers(decoder, hf)
         self._parts = _ModelParts(
@@ -408,6 +414,12 @@ class SeqParCausalLM(torch.nn.Module):
                 f"{ctx.calls} times for {expected} layers{where}: some attention does not dispatch through "
                 "transformers' attention interface, so it cannot be split over the sequence"
             )
+        if self.objective == "causal" and ctx.bidirectional:
+            raise UnsupportedModelError(
+                f"{type(hf).__name__}: {ctx.bidirectional} of {ctx.calls} attention calls are bidirectional (is_causal="
+                "False): it is an encoder, not a causal LM; train it with ds_seqpar.SeqParMaskedLM (train.py "
+                "--objective mlm), which also masks the padding that a bidirectional attention would see"
+            )
         window = self._parts.window
         if window is not None and ctx.windows == 0:
             raise UnsupportedModelError(
@@ -445,8 +457,7 @@ class SeqParCausalLM(torch.nn.Module):
                 "positions 0..n-1 would give every rank the same RoPE. Pass the batch from ds_seqpar.shard_batch"
             )
 
-    @staticmethod
-    def _refuse_masks(extra: dict[str, Any]) -> None:
+    def _refuse_masks(self, extra: dict[str, Any]) -> None:
         """Only what ``shard_batch`` produces; any other input the model would use is refused by name."""
         mask = extra.get("attention_mask")
         if mask is not None:
@@ -457,10 +468,12 @@ class SeqParCausalLM(torch.nn.Module):
             )
         unknown = sorted(k for k, v in extra.items() if v is not None and k not in SHARD_EXTRAS)
         if unknown:
+            labels = "shift_labels" if self.objective == "causal" else "labels"
             raise ValueError(
-                f"SeqParCausalLM got inputs {unknown} that it would not pass to the model; it trains on token "
-                "ids only (input_ids, shift_labels, position_ids, doc_ids from ds_seqpar.shard_batch): images, "
-                "token types or embeddings cannot be split over the sequence"
+                f"{type(self).__name__} got inputs {unknown} that it would not pass to the model; it trains on token "
+                f"ids only (input_ids, {labels}, position_ids, doc_ids from ds_seqpar.shard_batch"
+                f"{'' if self.objective == 'causal' else '(objective=masked)'}): images, token types or embeddings "
+                "cannot be split over the sequence"
             )
 
     def forward(
@@ -471,11 +484,22 @@ class SeqParCausalLM(torch.nn.Module):
         doc_ids: torch.Tensor | None = None,
         **extra: Any,
     ) -> torch.Tensor:
+        return self._loss(input_ids, shift_labels, position_ids, doc_ids, extra)
+
+    def _loss(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None,
+        extra: dict[str, Any],
+    ) -> torch.Tensor:
+        """The SP group's token-weighted loss of ``targets [B, n]`` (-100 = no label) at this rank's tokens."""
         self._refuse_masks(extra)
         hidden = self._hidden(input_ids, position_ids, doc_ids)
         loss, num_tokens = sp_causal_lm_loss(
             hidden,
-            shift_labels,
+            targets,
             self._parts.logits,
             self.mesh.group("sp"),
             grad_scale=self.grad_scale,
@@ -498,11 +522,21 @@ class SeqParCausalLM(torch.nn.Module):
         Logits are computed only at labelled positions. Returns tensors ``loss``, ``correct`` and
         ``count`` (summed over the SP group; identical on its ranks).
         """
+        return self._evaluate(input_ids, shift_labels, position_ids, doc_ids, extra)
+
+    def _evaluate(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None,
+        extra: dict[str, Any],
+    ) -> dict[str, torch.Tensor]:
         self._refuse_masks(extra)
         hidden = self._hidden(input_ids, position_ids, doc_ids)
-        labelled = shift_labels != -100
+        labelled = targets != -100
         logits = self._parts.logits(hidden[labelled][None])[0].float()  # [T, V], T labelled tokens
-        targets = shift_labels[labelled]
+        targets = targets[labelled]
         totals = torch.stack(
             [
                 torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
@@ -517,3 +551,43 @@ class SeqParCausalLM(torch.nn.Module):
             torch.distributed.all_reduce(totals, group=group)
         count = totals[2].clamp(min=1.0)
         return {"loss": totals[0] / count, "correct": totals[1], "count": totals[2]}
+
+
+class SeqParMaskedLM(SeqParCausalLM):
+    """A bidirectional encoder with a masked-LM head under sequence parallelism (RingFormer's setting).
+
+    ``forward(input_ids, labels, position_ids, doc_ids=None, **extra)`` takes the output of
+    ``ds_seqpar.shard_batch(..., objective="masked")``: ``labels`` are the original ids at the masked
+    tokens and -100 elsewhere, NOT shifted; padding (also the layout's) has document id -1, so no real
+    token attends to it. The loss is the token-weighted mean over the masked tokens of the whole SP
+    group, exactly as for ``SeqParCausalLM`` (``ds_seqpar.loss``); every attention layer runs
+    non-causal over the whole group (ring / Ulysses / USP), sliding windows symmetric
+    (``|i - j| < window``, ModernBERT's local layers), packed documents separated by ``doc_ids``.
+
+    Args: as ``SeqParCausalLM``; ``model`` is a HuggingFace ``*ForMaskedLM`` (ModernBERT, BERT, ...)
+        whose positions come from ``position_ids`` (RoBERTa-style padding-offset positions are refused).
+    """
+
+    objective = "masked"
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        **extra: Any,
+    ) -> torch.Tensor:
+        return self._loss(input_ids, labels, position_ids, doc_ids, extra)
+
+    @torch.no_grad()
+    def evaluate(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        **extra: Any,
+    ) -> dict[str, torch.Tensor]:
+        """Loss and accuracy over the masked tokens of the whole SP group (see ``SeqParCausalLM.evaluate``)."""
+        return self._evaluate(input_ids, labels, position_ids, doc_ids, extra)
