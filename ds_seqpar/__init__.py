@@ -15,7 +15,8 @@ Public API (more arrives with the attention, data and engine modules):
   attention (All-Scan over the ring) for linear and hybrid models.
 * :func:`initialize`: ``deepspeed.initialize`` with the section honoured (mesh, mpu, HF attention
   routing, SP loss, sharding DataLoader); :class:`SeqParCausalLM` (:class:`SeqParMaskedLM` for
-  bidirectional encoders), :func:`shard_batch`,
+  bidirectional encoders, :class:`SeqParSeq2SeqLM` with :func:`shard_encoder_states` for
+  encoder-decoders), :func:`shard_batch`,
   :func:`seqpar_dataloader`, :func:`sp_causal_lm_loss` are its parts.
 * :class:`SeqParTrainer` (HF Trainer), :func:`with_sequence_parallel` (any Trainer subclass, e.g.
   TRL's ``SFTTrainer``), :func:`accelerate_prepare` (a loop under ``accelerate launch``).
@@ -29,6 +30,7 @@ from ds_seqpar.config import SeqParConfigError, SequenceParallelConfig, load_con
 from ds_seqpar.data import SeqParCollator, seqpar_dataloader, shard_batch
 from ds_seqpar.integrations.deepspeed import initialize, install_deepspeed_guard, sequence_parallel_scope
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
+from ds_seqpar.integrations.seq2seq import SeqParSeq2SeqLM, shard_encoder_states
 from ds_seqpar.integrations.transformers import (
     SeqParCausalLM,
     SeqParMaskedLM,
@@ -61,6 +63,7 @@ __all__ = [
     "SeqParConfigError",
     "SeqParMaskedLM",
     "SeqParMesh",
+    "SeqParSeq2SeqLM",
     "SeqParTrainer",
     "SequenceParallelConfig",
     "SparseLayerStats",
@@ -84,6 +87,7 @@ __all__ = [
     "seqpar_dataloader",
     "sequence_parallel_scope",
     "shard_batch",
+    "shard_encoder_states",
     "sp_causal_lm_loss",
     "sparse_stats",
     "with_sequence_parallel",

@@ -48,6 +48,39 @@ def tiny_encoder(kind: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+ENCODER_INPUTS = ("input_features",)  # what an encoder-decoder batch adds
+
+
+def tiny_whisper(seed: int = 0, frames: int = 64) -> torch.nn.Module:
+    """A float32 Whisper of 2 encoder and 2 decoder layers (E = 64, 4 heads): ``input_features [B, 8, 2·frames]``
+    give ``frames`` encoder states."""
+    import transformers
+
+    cfg = transformers.WhisperConfig(
+        vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=96, decoder_ffn_dim=96, num_mel_bins=8,
+        max_source_positions=frames, max_target_positions=128, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+        suppress_tokens=None, begin_suppress_tokens=None,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.WhisperForConditionalGeneration(cfg).float()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def speech_batches(num: int, batch_size: int, tokens: int, frames: int = 64, seed: int = 1) -> list[dict]:
+    """``num`` batches of decoder ids ``[batch_size, tokens]`` and ``input_features [batch_size, 8, 2·frames]``."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {
+            "input_ids": torch.randint(3, VOCAB, (batch_size, tokens), generator=g),
+            "input_features": torch.randn(batch_size, 8, 2 * frames, generator=g),
+        }
+        for _ in range(num)
+    ]
+
+
 def masked_batches(
     num: int, batch_size: int, seq_len: int, seed: int = 1, lengths: list[int] | None = None
 ) -> list[dict[str, torch.Tensor]]:
@@ -73,6 +106,8 @@ def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
     :data:`ENCODER_MODELS` gives :func:`tiny_encoder`."""
     if kind in ENCODER_MODELS:
         return tiny_encoder(kind, seed)
+    if kind == "whisper":
+        return tiny_whisper(seed)
     import transformers
     from transformers import (
         LlamaConfig,
@@ -168,6 +203,8 @@ def reference_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
             docs = [row[a:b][None] for a, b in itertools.pairwise(starts)]
             logits.append(torch.cat([model(input_ids=d).logits for d in docs], dim=1))
         logits = torch.cat(logits)
+    elif "input_features" in batch:  # an encoder-decoder: the decoder's next-token loss
+        logits = model(input_features=batch["input_features"], decoder_input_ids=ids).logits
     else:
         kwargs = {"attention_mask": batch["attention_mask"]} if "attention_mask" in batch else {}
         logits = model(input_ids=ids, **kwargs).logits

@@ -8,16 +8,18 @@ import pytest
 import torch
 
 from ds_seqpar import SeqParMesh
+from ds_seqpar.comm.all_to_all import HeadPlan
 from ds_seqpar.ops.reference import dense_attention_reference
-from ds_seqpar.parallel.cross import choose_cross_schedule, cross_attention, cross_bytes
+from ds_seqpar.parallel.cross import choose_cross_schedule, cross_attention, cross_bytes, cross_ulysses_bytes
 
 B, H, D = 2, 4, 8
 
 
-def run_cross_cases(cases: list[dict]) -> list[dict]:
+def run_cross_cases(cases: list[dict], u: int = 1) -> list[dict]:
+    """Each case on a mesh of U = ``u`` x R = world / u; every rank holds its contiguous 1/world of both sides."""
     world = torch.distributed.get_world_size()
-    mesh = SeqParMesh.build(world, 1)
-    me = mesh.coords.ring_rank
+    mesh = SeqParMesh.build(world, u)
+    me = mesh.coords.sp_rank
     results = []
     for i, case in enumerate(cases):
         g = torch.Generator().manual_seed(i)
@@ -48,7 +50,15 @@ def run_cross_cases(cases: list[dict]) -> list[dict]:
             for n, a, b in zip(("out", "dq", "dk", "dv"), got, want)
         }
         results.append(
-            {"errors": errors, "fwd": fwd.bytes("p2p"), "bwd": bwd.bytes("p2p"), "total": fwd.total_bytes}
+            {
+                "errors": errors,
+                "fwd": fwd.bytes("p2p"),
+                "bwd": bwd.bytes("p2p"),
+                "total": fwd.total_bytes,
+                "ulysses_fwd": fwd.bytes("all_to_all") + fwd.bytes("all_gather"),
+                "ulysses_bwd": bwd.bytes("all_to_all"),
+                "ulysses_rank": mesh.coords.ulysses_rank,
+            }
         )
     return results
 
@@ -72,6 +82,30 @@ def test_cross_attention_matches_dense_reference_and_the_byte_formula(dist_pool,
             args = (case["schedule"], B, n_q, n_kv, H, case["h_kv"], D, 8, world, case["padding"])
             assert res["fwd"] == res["total"] == cross_bytes(*args), (case, res)
             assert res["bwd"] == cross_bytes(*args, backward=True), (case, res)
+
+
+ULYSSES_MESHES = [(4, 2), (4, 4), (8, 2), (8, 4)]  # (world, U): U x R = 2x2, 4x1, 2x4, 4x2
+
+
+@pytest.mark.parametrize(("world", "u"), ULYSSES_MESHES)
+def test_ulysses_over_heads_composes_with_both_schedules(dist_pool, world, u):
+    """U > 1: all-to-all over heads inside each ring rank (K/V heads replicated when U > H_kv = 1), the
+    key mask all-gathered; exact, and the counted bytes equal cross_ulysses_bytes + cross_bytes(U·n)."""
+    cases = [c for c in _cases(world) if c["s_q"] != c["s_kv"] or c["padding"]]
+    ring = world // u
+    for case, per_rank in zip(cases, zip(*dist_pool(world).run(run_cross_cases, cases, u))):
+        n_q, n_kv = case["s_q"] // world, case["s_kv"] // world
+        plan = HeadPlan.build(H, case["h_kv"], u)
+        for rank, res in enumerate(per_rank):
+            assert all(e <= 1e-10 for e in res["errors"].values()), (case, u, rank, res["errors"])
+            me = res["ulysses_rank"]
+            common = (B, n_q, n_kv, H, case["h_kv"], u, me, D, 8, case["padding"])
+            assert res["ulysses_fwd"] == cross_ulysses_bytes(*common), (case, res)
+            assert res["ulysses_bwd"] == cross_ulysses_bytes(*common, backward=True), (case, res)
+            heads = (plan.q_counts[me], plan.kv_counts[me])
+            ring_args = (case["schedule"], B, u * n_q, u * n_kv, *heads, D, 8, ring, case["padding"])
+            assert res["fwd"] == cross_bytes(*ring_args), (case, res)
+            assert res["bwd"] == cross_bytes(*ring_args, backward=True), (case, res)
 
 
 def test_auto_rotates_the_smaller_side():

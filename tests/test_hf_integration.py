@@ -16,7 +16,7 @@ import torch.distributed as dist
 import ds_seqpar
 from ds_seqpar import SeqParCausalLM, SeqParMaskedLM, SeqParMesh, SequenceParallelConfig, shard_batch
 from ds_seqpar.integrations.hf_model import objective_of
-from tests.hf_models import FEATURE_MODELS, batches, reference_loss, tiny_model
+from tests.hf_models import ENCODER_INPUTS, FEATURE_MODELS, batches, reference_loss, tiny_model
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
@@ -266,8 +266,10 @@ def deepspeed_ab(
         ref_losses = [reference_loss(ref, data[step * dp + g]) for g in range(dp)]
         ref_total = torch.stack(ref_losses).mean()
         ref_total.backward()
-        shard = shard_batch(data[step * dp + mesh.coords.dp_rank], mesh, objective=engine.module.objective)
-        loss = engine(**shard)
+        batch = dict(data[step * dp + mesh.coords.dp_rank])
+        encoder_inputs = {k: batch.pop(k) for k in ENCODER_INPUTS if k in batch}  # full, every rank the same
+        shard = shard_batch(batch, mesh, objective=engine.module.objective)
+        loss = engine(**shard, **encoder_inputs)
         engine.backward(loss)
         if step == 0:
             worst = 0.0

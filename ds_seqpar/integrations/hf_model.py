@@ -130,14 +130,22 @@ PROBE_ATTENTION = "ds_seqpar_probe"
 PROBE_TOKENS = 8
 
 
+PROBE_ENCODER_TOKENS = 3  # encoder states of the probe of an encoder-decoder: neither 8 nor 4 tokens
+
+
 def _token_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
-    """A probe attention in which every token attends only to itself: out = its value ``[B, S, H, D_v]``."""
+    """A probe attention in which every token attends only to itself: out = its value ``[B, S, H, D_v]``;
+    a cross-attention (keys of the probe's encoder states) gives zeros."""
+    if key.shape[2] != query.shape[2]:
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
     group = query.shape[1] // value.shape[1]
     return value.repeat_interleave(group, dim=1).transpose(1, 2).contiguous(), None
 
 
-def check_token_locality(model: torch.nn.Module, decoder: torch.nn.Module, objective: str = "causal") -> None:
+def check_token_locality(
+    model: torch.nn.Module, decoder: torch.nn.Module, objective: str = "causal", encoder_states: bool = False
+) -> None:
     """One process, before any collective: everything but the attention must treat a token the same way
     in a shard as in the whole sequence, given its global position.
 
@@ -149,6 +157,10 @@ def check_token_locality(model: torch.nn.Module, decoder: torch.nn.Module, objec
     loss on the probe must also be the next-token cross-entropy of its logits (Whisper's decoder, for
     one, does not shift its labels), or for ``objective="masked"`` the cross-entropy of each token's
     logits against its own label (a masked-LM head).
+
+    ``encoder_states``: the decoder of an encoder-decoder; it gets probe encoder states of
+    ``PROBE_ENCODER_TOKENS`` zeros (the probe's cross-attention returns zeros) and the model-level loss
+    check is skipped (its forward needs the encoder's inputs; ds_seqpar computes the next-token loss).
 
     Skipped when the parameters are not materialised (meta device, ZeRO-3 partitions).
     """
@@ -174,16 +186,20 @@ def check_token_locality(model: torch.nn.Module, decoder: torch.nn.Module, objec
     tokens = [t for t in range(3, min(vocab, 64)) if t not in special][:PROBE_TOKENS]
     ids = torch.tensor([tokens], device=params[0].device)
     half = len(tokens) // 2
+    extra: dict[str, Any] = {}
+    if encoder_states:
+        width = getattr(decoder.config, "d_model", None) or decoder.config.hidden_size
+        extra["encoder_hidden_states"] = params[0].new_zeros(1, PROBE_ENCODER_TOKENS, width)
     AttentionInterface.register(PROBE_ATTENTION, _token_attention)
     original, was_training = model.config._attn_implementation, model.training
     model.set_attn_implementation(PROBE_ATTENTION)
     model.eval()
     try:
         with torch.no_grad():
-            whole = decoder(input_ids=ids, use_cache=False)[0][:, half:]
+            whole = decoder(input_ids=ids, use_cache=False, **extra)[0][:, half:]
             positions = torch.arange(half, len(tokens), device=ids.device)[None]
-            shard = decoder(input_ids=ids[:, half:], position_ids=positions, use_cache=False)[0]
-            out = model(input_ids=ids, labels=ids, use_cache=False)
+            shard = decoder(input_ids=ids[:, half:], position_ids=positions, use_cache=False, **extra)[0]
+            out = None if encoder_states else model(input_ids=ids, labels=ids, use_cache=False)
     except Exception as exc:
         raise UnsupportedModelError(
             f"{type(model).__name__} failed on a probe of {len(tokens)} tokens and a shard of them "

@@ -45,6 +45,7 @@ from ds_seqpar.integrations.linear_models import (
 from ds_seqpar.loss import sp_causal_lm_loss
 from ds_seqpar.memory import enable_memory_savings
 from ds_seqpar.mesh import SeqParMesh
+from ds_seqpar.parallel.cross import cross_attention
 from ds_seqpar.parallel.usp import attention, input_layout
 from ds_seqpar.parallel.work import WorkCounter
 
@@ -61,6 +62,12 @@ class SeqParContext:
     ``layer_of`` maps ``id(module)`` of every submodule of a decoder layer to that layer's index;
     ``layers`` collects the indices of the layers that called the attention, ``windows`` the calls
     that applied a sliding window.
+
+    Cross-attention (``SeqParSeq2SeqLM``): ``cross_active`` holds the ids of the attention modules
+    running on encoder states right now (their calls go to ``ds_seqpar.cross_attention``), with the
+    encoder shard's key mask ``cross_mask [B, m]`` (None: no padding) and ``cross_schedule``;
+    ``cross_calls`` counts them. ``local_attention``: the name of a transformers attention implementation
+    that every call runs instead, unsplit (a replicated encoder's forward over its whole input).
     """
 
     mesh: SeqParMesh
@@ -72,6 +79,11 @@ class SeqParContext:
     layers: set[int] = field(default_factory=set)
     windows: int = 0
     bidirectional: int = 0
+    cross_mask: torch.Tensor | None = None
+    cross_schedule: str = "auto"
+    cross_active: set[int] = field(default_factory=set)
+    cross_calls: int = 0
+    local_attention: str | None = None
 
     def record(self, module: torch.nn.Module, window: int | None = None, causal: bool = True) -> None:
         """Count one sequence-parallel call of ``module`` (attention or linear attention)."""
@@ -196,7 +208,19 @@ def seqpar_attention_forward(
             "through ds_seqpar.SeqParCausalLM / ds_seqpar.initialize (they pass ds_seqpar_context=...), or "
             "restore the original attention with disable_sequence_parallel(model)"
         )
+    if ctx.local_attention is not None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        kwargs.pop(CONTEXT_KEY, None)
+        given = {"sliding_window": sliding_window, "softcap": softcap, "s_aux": s_aux, "is_causal": is_causal}
+        given = {k: v for k, v in given.items() if v is not None and v is not _UNSET}
+        return ALL_ATTENTION_FUNCTIONS[ctx.local_attention](
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **given, **kwargs
+        )
     _refuse_keywords(name, attention_mask, kwargs)
+    if id(module) in ctx.cross_active:
+        return _cross_attention_call(module, name, ctx, query, key, value, dropout, scaling,
+                                     sliding_window, softcap, s_aux, is_causal), None  # fmt: skip
     if dropout:
         raise UnsupportedModelError(
             f"{name}: attention dropout={dropout} is not supported under sequence parallelism; "
@@ -231,6 +255,51 @@ def seqpar_attention_forward(
     )
     ctx.record(module, window, causal)
     return (out if v_dim is None else out[..., :v_dim]), None
+
+
+def _cross_attention_call(
+    module: torch.nn.Module,
+    name: str,
+    ctx: SeqParContext,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout: float,
+    scaling: float | None,
+    sliding_window: Any,
+    softcap: float | None,
+    s_aux: torch.Tensor | None,
+    is_causal: bool | None,
+) -> torch.Tensor:
+    """A cross-attention call (HF layout: query ``[B, H, n_q, D]``, key / value ``[B, H_kv, m, D]`` of this
+    rank's encoder shard): ``ds_seqpar.cross_attention`` over the group -> ``[B, n_q, H, D]``. Only the scale
+    is honoured; anything else that would change the result is refused by name."""
+    given = {"dropout": dropout or None, "sliding_window": None if sliding_window is _UNSET else sliding_window,
+             "softcap": softcap or None, "s_aux": s_aux, "is_causal": is_causal or None}  # fmt: skip
+    refused = {k: v for k, v in given.items() if v is not None}
+    if refused:
+        key_name, value_ = next(iter(refused.items()))
+        raise UnsupportedModelError(
+            f"{name}: cross-attention with {key_name}={_short(value_)}; ds_seqpar's cross-attention is plain "
+            "(non-causal, full) softmax attention over the encoder states with a key padding mask: set "
+            "config.attention_dropout=0.0, or this model cannot run under ds_seqpar"
+        )
+    if query.shape[-1] != value.shape[-1]:
+        raise UnsupportedModelError(
+            f"{name}: cross-attention value head dim {value.shape[-1]} != query head dim {query.shape[-1]}"
+        )
+    out = cross_attention(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        mesh=ctx.mesh,
+        kv_mask=ctx.cross_mask,
+        softmax_scale=scaling,
+        schedule=ctx.cross_schedule,
+    )
+    ctx.record(module)
+    ctx.cross_calls += 1
+    return out
 
 
 def _common_head_dim(
@@ -315,7 +384,10 @@ def _decoder_layers(
 ) -> tuple[dict[int, int], int | None, list[torch.nn.Module]]:
     """``{id(submodule): layer index}`` over the decoder's layer list (the ModuleList with one entry per
     ``num_hidden_layers``), the layer count, and the layers; an empty map and list when no such list exists."""
-    expected = getattr(getattr(decoder, "config", hf.config), "num_hidden_layers", None)
+    config = getattr(decoder, "config", hf.config)
+    expected = getattr(config, "num_hidden_layers", None)
+    if getattr(config, "is_encoder_decoder", False):  # Whisper, BART: num_hidden_layers is the encoder's
+        expected = getattr(config, "decoder_layers", expected)
     for module in decoder.modules():
         if isinstance(module, torch.nn.ModuleList) and expected is not None and len(module) == expected:
             layers = list(module)
@@ -347,6 +419,7 @@ class SeqParCausalLM(torch.nn.Module):
     """
 
     objective = "causal"  # SeqParMaskedLM: "masked"
+    encoder_states = False  # SeqParSeq2SeqLM: the decoder attends to encoder states
 
     def __init__(
         self, model: torch.nn.Module, mesh: SeqParMesh, grad_scale: float = 1.0, loss_chunk_size: int = 1024
@@ -358,7 +431,8 @@ class SeqParCausalLM(torch.nn.Module):
         refuse_unhonoured_features(hf)
         refuse_recurrent_layers(hf)
         if getattr(hf, "_ds_seqpar_original_attn", None) is None and not has_routed_layers(hf):
-            check_token_locality(hf, decoder, self.objective)  # one process, before the attention is switched
+            # one process, before the attention is switched
+            check_token_locality(hf, decoder, self.objective, encoder_states=self.encoder_states)
         self.model = enable_sequence_parallel(model)
         layer_of, num_layers, layers = _decoder_layers(decoder, hf)
         self._parts = _ModelParts(
@@ -377,25 +451,38 @@ class SeqParCausalLM(torch.nn.Module):
         return self._parts.hf.config
 
     def _hidden(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor | None
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None,
+        ctx: SeqParContext | None = None,
+        **decoder_inputs: Any,
     ) -> torch.Tensor:
-        """Final hidden states ``[B, n, E]`` of this rank's tokens (every layer's attention over the group)."""
+        """Final hidden states ``[B, n, E]`` of this rank's tokens (every layer's attention over the group).
+        ``ctx``: a context made by a subclass (``_context``); ``decoder_inputs``: more inputs of the decoder."""
         self._check_positions(input_ids, position_ids, doc_ids)
         parts = self._parts
         if self.memory.plan is not None:
             zero3 = any(hasattr(p, "ds_id") for p in itertools.islice(parts.decoder.parameters(), 1))
             self.memory.plan.plan(input_ids.shape[-1], input_ids.device, agree=zero3)
-        ctx = SeqParContext(self.mesh, doc_ids, self.work, self.step, layer_of=parts.layer_of)
+        ctx = ctx or self._context(doc_ids)
         token = ACTIVE_CONTEXT.set(ctx)
         try:
             hidden = parts.decoder(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False, **{CONTEXT_KEY: ctx}
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=False,
+                **decoder_inputs,
+                **{CONTEXT_KEY: ctx},
             )
         finally:
             ACTIVE_CONTEXT.reset(token)
         hidden = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
         self._check_calls(ctx)
         return hidden
+
+    def _context(self, doc_ids: torch.Tensor | None) -> SeqParContext:
+        return SeqParContext(self.mesh, doc_ids, self.work, self.step, layer_of=self._parts.layer_of)
 
     def _check_calls(self, ctx: SeqParContext) -> None:
         """Every decoder layer must have split its sequence mixing over the group, and a window the
@@ -496,7 +583,10 @@ class SeqParCausalLM(torch.nn.Module):
     ) -> torch.Tensor:
         """The SP group's token-weighted loss of ``targets [B, n]`` (-100 = no label) at this rank's tokens."""
         self._refuse_masks(extra)
-        hidden = self._hidden(input_ids, position_ids, doc_ids)
+        return self._token_loss(self._hidden(input_ids, position_ids, doc_ids), targets)
+
+    def _token_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The SP group's token-weighted loss of final hidden states ``[B, n, E]`` against ``targets [B, n]``."""
         loss, num_tokens = sp_causal_lm_loss(
             hidden,
             targets,

@@ -1,9 +1,19 @@
-"""Exact cross-attention under SP: rotate the queries (LV-XAttn) or rotate K/V (the ring), chosen by size.
+"""Exact cross-attention under SP: rotate the queries (LV-XAttn) or rotate K/V (the ring), chosen by size,
+optionally with Ulysses over heads inside each ring rank.
 
-Legend: R = ring ranks (the mesh's ring group; U = 1), q ``[B, n_q, H, D]`` this rank's contiguous part of
-the S_q queries, k / v ``[B, n_kv, H_kv, D]`` its contiguous part of the S_kv keys (n = S / R), b / a bytes
-per element of the inputs / of the accumulator dtype (fp32, fp64 for fp64 inputs). No causal mask (the
-query and key sequences differ); ``kv_mask`` ``[B, n_kv]`` marks real keys (False = padding).
+Legend: P = U·R SP ranks (U Ulysses, R ring), q ``[B, n_q, H, D]`` this rank's part of the S_q queries,
+k / v ``[B, n_kv, H_kv, D]`` its part of the S_kv keys (n = S / P; any split: cross-attention does not
+depend on token order), b / a bytes per element of the inputs / of the accumulator dtype (fp32, fp64 for
+fp64 inputs). No causal mask (the query and key sequences differ); ``kv_mask`` ``[B, n_kv]`` marks real
+keys (False = padding).
+
+Ulysses (U > 1): q, k and v go through the Ulysses all-to-all (sequence -> heads; ``HeadPlan``, K/V heads
+replicated when U > H_kv), the key mask is all-gathered over the Ulysses group, the ring part below runs
+on ``[B, U·n, h_u, D]`` with U·n tokens per ring rank, and the output goes back (heads -> sequence). Extra
+bytes one rank sends (:func:`cross_ulysses_bytes`; h = its query heads, k = its K/V heads, K = all sent
+K/V heads, replicas included):
+    fwd B·D·b·(n_q·(H − h) + 2·n_kv·(K − k) + (U − 1)·n_q·h) + (U − 1)·B·n_kv   (the mask, if any)
+    bwd B·D·b·((U − 1)·n_q·h + 2·(U − 1)·n_kv·k + n_q·(H − h))
 
 ``rotate_q`` (ALGORITHMS.md §12): K/V stay. The query block travels the ring with its partial
 (out, lse), which every rank merges its block into and which is home after R sends; backward moves
@@ -24,11 +34,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from ds_seqpar.comm.all_to_all import HeadPlan
 from ds_seqpar.comm.p2p import RingComm, RingSchedule
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward, resolve_kernel
 from ds_seqpar.ops.merge import merge_attn_
+from ds_seqpar.parallel.ulysses import gather_heads, scatter_heads
 
 CROSS_SCHEDULES = ("auto", "rotate_q", "rotate_kv")
 
@@ -42,8 +55,9 @@ def cross_bytes(
     schedule: str, batch: int, q_tokens: int, kv_tokens: int, heads: int, kv_heads: int, head_dim: int,
     element_bytes: int, ring: int, kv_mask: bool = False, backward: bool = False,
 ) -> int:  # fmt: skip
-    """Bytes one rank sends in one cross-attention layer (the module docstring's formulas); ``q_tokens`` /
-    ``kv_tokens`` = n_q / n_kv per rank."""
+    """Bytes one rank sends in one cross-attention layer's ring part (the module docstring's formulas);
+    ``q_tokens`` / ``kv_tokens`` = n_q / n_kv per ring rank (U·n after a Ulysses exchange), ``heads`` /
+    ``kv_heads`` its heads."""
     if ring == 1:
         return 0
     b, a = element_bytes, 8 if element_bytes == 8 else 4
@@ -56,6 +70,38 @@ def cross_bytes(
         kv = (ring - 1) * batch * kv_tokens * (2 * kv_heads * head_dim * b + (1 if kv_mask else 0))
         return kv + (ring * 2 * batch * kv_tokens * kv_heads * head_dim * a if backward else 0)
     raise ValueError(f"cross-attention schedule={schedule!r}; valid: rotate_q, rotate_kv")
+
+
+def cross_ulysses_bytes(
+    batch: int, q_tokens: int, kv_tokens: int, heads: int, kv_heads: int, ulysses: int, rank: int,
+    head_dim: int, element_bytes: int, kv_mask: bool = False, backward: bool = False,
+) -> int:  # fmt: skip
+    """Bytes Ulysses rank ``rank`` of ``ulysses`` sends in one layer's all-to-alls (and the key mask's
+    all-gather), before / after the ring part; ``q_tokens`` / ``kv_tokens`` = n per SP rank."""
+    if ulysses == 1:
+        return 0
+    plan = HeadPlan.build(heads, kv_heads, ulysses)
+    h, k, total_kv = plan.q_counts[rank], plan.kv_counts[rank], sum(plan.kv_counts)
+    unit = batch * head_dim * element_bytes
+    if backward:
+        return unit * (
+            (ulysses - 1) * q_tokens * h + 2 * (ulysses - 1) * kv_tokens * k + q_tokens * (heads - h)
+        )
+    mask = (ulysses - 1) * batch * kv_tokens if kv_mask else 0
+    return (
+        unit * (q_tokens * (heads - h) + 2 * kv_tokens * (total_kv - k) + (ulysses - 1) * q_tokens * h) + mask
+    )
+
+
+def _gather_mask(kv_mask: torch.Tensor | None, mesh: SeqParMesh) -> torch.Tensor | None:
+    """The key masks ``[B, n_kv]`` of the Ulysses group, in its rank order: ``[B, U·n_kv]`` (all-gather)."""
+    if kv_mask is None:
+        return None
+    mine = kv_mask.to(torch.uint8).contiguous()
+    parts = [torch.empty_like(mine) for _ in range(mesh.ulysses_size)]
+    dist.all_gather(parts, mine, group=mesh.group("ulysses"))
+    mesh.comm_stats.record("all_gather", (mesh.ulysses_size - 1) * mine.numel() * mine.element_size())
+    return torch.cat(parts, dim=1).bool()
 
 
 def _mask(q: torch.Tensor, kv_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -176,11 +222,6 @@ def cross_attention(
     """
     if schedule not in CROSS_SCHEDULES:
         raise ValueError(f"cross_attention schedule={schedule!r}; valid: {', '.join(CROSS_SCHEDULES)}")
-    if mesh.ulysses_size != 1:
-        raise ValueError(
-            f"cross_attention runs on the ring axis; the mesh has ulysses_degree={mesh.ulysses_size}: build it "
-            "with ulysses_degree=1 (Ulysses over heads for cross-attention is not built)"
-        )
     if (
         q.dim() != 4
         or k.dim() != 4
@@ -196,6 +237,11 @@ def cross_attention(
         raise ValueError(
             f"cross_attention: H={q.shape[2]} query heads are not a multiple of H_kv={k.shape[2]}"
         )
+    if q.shape[2] < mesh.ulysses_size:
+        raise ValueError(
+            f"cross_attention: ulysses_degree U={mesh.ulysses_size} exceeds the H={q.shape[2]} query heads; valid: "
+            f"U <= {q.shape[2]} (move the rest of the SP degree to the ring)"
+        )
     if kv_mask is not None and tuple(kv_mask.shape) != tuple(k.shape[:2]):
         raise ValueError(f"kv_mask {tuple(kv_mask.shape)} must be [B, n_kv] = {tuple(k.shape[:2])}")
     if schedule == "auto":
@@ -205,4 +251,9 @@ def cross_attention(
         schedule = "rotate_kv"  # one rank: a single block either way
     kernel = mesh.settings.kernel if mesh.config is not None else "auto"  # sequence_parallel.kernel
     resolve_kernel(kernel, q.device, q.dtype, None)  # an unavailable kernel fails here, not mid-ring
-    return _CrossAttention.apply(q, k, v, kv_mask, mesh, scale, schedule, kernel)
+    if mesh.ulysses_size == 1:
+        return _CrossAttention.apply(q, k, v, kv_mask, mesh, scale, schedule, kernel)
+    heads = HeadPlan.build(q.shape[2], k.shape[2], mesh.ulysses_size)
+    q, k, v = scatter_heads(q, k, v, heads, mesh, separate=True)  # q and k/v have different token counts
+    out = _CrossAttention.apply(q, k, v, _gather_mask(kv_mask, mesh), mesh, scale, schedule, kernel)
+    return gather_heads(out, heads, mesh)
