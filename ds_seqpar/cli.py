@@ -7,8 +7,9 @@ Without ``--model`` / ``--data`` it runs the embedded default: the shipped tiny 
 (``assets/tiny-llama``, random init) learns passkey retrieval at 4096 tokens, where the answer sits
 a whole sequence before the question (``ds_seqpar.tasks.passkey``); it prints retrieval accuracy
 before and after. ``--objective mlm`` trains a masked-LM encoder instead (default: the shipped tiny
-ModernBERT, ``assets/tiny-modernbert``, on the same passkey samples, 15 % of the tokens masked per sample
-by ``ds_seqpar.tasks.masking``; accuracy is over the masked tokens). Outputs (``--output-dir``): ``metrics.jsonl`` (one line per step and per eval),
+ModernBERT, ``assets/tiny-modernbert``, on the same passkey rows with every answer replaced by the mask
+token, ``ds_seqpar.tasks.masking.MaskedAnswers``; with ``--data``, 15 % of the tokens masked per sample by
+BERT's rule; accuracy is over the masked tokens). Outputs (``--output-dir``): ``metrics.jsonl`` (one line per step and per eval),
 DeepSpeed checkpoints under ``checkpoints/`` every ``--save-every`` steps (``--resume`` continues
 from the latest), and the final HF model in ``hf_model/`` (``save_pretrained``, gathered from ZeRO-3).
 
@@ -90,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=OBJECTIVES,
         default="causal",
         help="causal: next-token loss of a causal LM; mlm: masked-LM loss of a bidirectional encoder "
-        f"(*ForMaskedLM, e.g. ModernBERT; {MLM_PROBABILITY * 100:.0f}%% of the tokens masked; default model "
-        "assets/tiny-modernbert)",
+        f"(*ForMaskedLM, e.g. ModernBERT; {MLM_PROBABILITY * 100:.0f}%% of --data's tokens masked, the answers "
+        "of the embedded passkey rows; default model assets/tiny-modernbert)",
     )
     p.add_argument(
         "--trust-remote-code", action="store_true", help="allow custom model code when loading --model"
@@ -396,7 +397,12 @@ def _datasets(args: argparse.Namespace, tokenizer: Any, num_train: int) -> tuple
     train, held = _token_datasets(args, tokenizer, num_train)
     if args.objective != "mlm":
         return train, held
-    from ds_seqpar.tasks.masking import MaskedLMDataset
+    from ds_seqpar.tasks.masking import MaskedAnswers, MaskedLMDataset
+
+    if args.data is None:  # the passkey rows: mask the answers, fill them from the far-away passkey
+        return [MaskedAnswers(d, mask_token_id=tokenizer.mask_token_id) for d in train], MaskedAnswers(
+            held, mask_token_id=tokenizer.mask_token_id
+        )
 
     def masked(data: Any, seed: int) -> MaskedLMDataset:
         return MaskedLMDataset(
@@ -774,8 +780,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(
             f"done: {step} steps; accuracy {first_eval['eval_accuracy']:.3f} -> {last['eval_accuracy']:.3f}"
             + (
-                f" (passkey retrieval, chance {1 / PASSKEYS:.3f})"
-                if args.data is None and args.objective == "causal"
+                f" (passkey retrieval{', masked answers' if args.objective == 'mlm' else ''}, chance {1 / PASSKEYS:.3f})"
+                if args.data is None
                 else " (masked tokens)"
                 if args.objective == "mlm"
                 else ""

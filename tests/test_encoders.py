@@ -12,7 +12,7 @@ import torch
 
 from ds_seqpar import SeqParCausalLM, SeqParMaskedLM, shard_batch
 from ds_seqpar.integrations.hf_model import UnsupportedModelError, objective_of
-from ds_seqpar.tasks.masking import MaskedLMDataset, mask_tokens
+from ds_seqpar.tasks.masking import MaskedAnswers, MaskedLMDataset, mask_tokens
 from tests.hf_models import MASK_ID, VOCAB, masked_batches, tiny_encoder, tiny_model
 from tests.test_hf_integration import _mesh, deepspeed_ab, sp_vs_reference
 
@@ -139,3 +139,12 @@ def test_every_row_gets_a_target_and_the_dataset_masks_by_index():
     )
     with pytest.raises(ValueError, match="probability"):
         mask_tokens(short, mask_token_id=MASK_ID, vocab_size=VOCAB, probability=0.0)
+
+
+def test_masked_answers_hide_exactly_the_labelled_tokens():
+    labels = torch.full((12,), -100)
+    labels[[5, 9]] = 7
+    sample = MaskedAnswers([{"input_ids": torch.arange(20, 32), "labels": labels}], mask_token_id=MASK_ID)[0]
+    assert sample["input_ids"][[5, 9]].tolist() == [MASK_ID, MASK_ID]
+    assert torch.equal(sample["input_ids"][labels == -100], torch.arange(20, 32)[labels == -100])
+    assert torch.equal(sample["labels"], labels)

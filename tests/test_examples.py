@@ -198,3 +198,19 @@ def test_dsp_video_runs_under_torchrun():
     assert done.returncode == 0, out[-4000:]
     assert out.count("dsp: 131,072 bytes sent per rank per step (P = 2)") == 1, out[-4000:]  # rank 0 only
     assert out.count("step 1: loss") == 1, out[-4000:]
+
+
+def test_speech_seq2seq_runs_under_torchrun():
+    """examples/speech_seq2seq.py with the shipped usp config: a tiny Whisper whose decoder cross-attends to
+    encoder states sharded over 4 ranks (ds_seqpar.initialize picks SeqParSeq2SeqLM)."""
+    cmd = [
+        str(VENV_BIN / "torchrun"),
+        "--nproc_per_node",
+        "4",
+        "examples/speech_seq2seq.py",
+        "--max-steps",
+        "2",
+    ]
+    done = run_launcher(cmd, cwd=str(ROOT))
+    losses = _launch_losses(done, "examples/speech_seq2seq.py: 2 steps")
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses), losses

@@ -1,4 +1,5 @@
-"""Masked-LM inputs: choose tokens to predict, corrupt them, label them (BERT's 80 / 10 / 10 rule).
+"""Masked-LM inputs: choose tokens to predict, corrupt them, label them (BERT's 80 / 10 / 10 rule), or
+mask the labelled answers of a task (``MaskedAnswers``: the passkey rows for ``train.py --objective mlm``).
 
 Every SP rank of a group must see the SAME masked batch (each shards it), so the choice is a pure
 function of the sample and a seed: ``MaskedLMDataset`` seeds a generator with ``(seed, index)`` per
@@ -89,5 +90,28 @@ class MaskedLMDataset(Dataset):
             probability=self.probability,
             special_ids=self.special_ids,
             generator=generator,
+        )
+        return sample
+
+
+class MaskedAnswers(Dataset):
+    """Wraps a dataset whose samples label a few answer tokens (``labels`` != -100, in the HF causal
+    convention: the label sits at the position whose token the answer is): the input token at every
+    labelled position becomes ``mask_token_id``, the labels stay. A bidirectional model fills each mask
+    from the rest of the row; for the passkey rows (``ds_seqpar.tasks.passkey``) the passkey sits
+    anywhere in the first half, far from every masked answer."""
+
+    def __init__(self, base: Dataset, *, mask_token_id: int) -> None:
+        self.base = base
+        self.mask_token_id = mask_token_id
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        sample = dict(self.base[index])
+        labels = torch.as_tensor(sample["labels"])
+        sample["input_ids"] = torch.as_tensor(sample["input_ids"]).masked_fill(
+            labels != IGNORE_INDEX, self.mask_token_id
         )
         return sample
