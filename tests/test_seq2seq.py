@@ -47,10 +47,14 @@ def whisper_vs_plain(
     ref_loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
     ref_loss.backward()
     sp = SeqParSeq2SeqLM(model, mesh, cross_schedule=schedule, recompute_cross_kv=recompute)
-    loss = sp(**shard_batch({"input_ids": ids}, mesh), input_features=batch["input_features"])
+    shard = shard_batch({"input_ids": ids}, mesh)
+    evaluated = sp.evaluate(**shard, input_features=batch["input_features"])  # the same encoder inputs
+    loss = sp(**shard, input_features=batch["input_features"])
     loss.backward()
     return {
         "loss_err": abs(loss.item() - ref_loss.item()) / ref_loss.item(),
+        "eval_err": abs(evaluated["loss"].item() - ref_loss.item()) / ref_loss.item(),
+        "eval_count": evaluated["count"].item(),
         "grad_err": _grad_errors(model, ref, mesh.group("sp")),
     }
 
@@ -72,7 +76,8 @@ def test_whisper_decoder_under_sp_equals_the_plain_model(
     dist_pool, schedule, recompute, layout, tokens, frames, u
 ):
     for rep in dist_pool(4).run(whisper_vs_plain, schedule, recompute, layout, tokens, frames, u):
-        assert rep["loss_err"] <= 1e-5, rep
+        assert rep["loss_err"] <= 1e-5 and rep["eval_err"] <= 1e-5, rep
+        assert rep["eval_count"] == 2 * (tokens - 1), rep
         assert rep["grad_err"] <= 1e-5, rep
 
 

@@ -173,8 +173,42 @@ class SeqParSeq2SeqLM(SeqParCausalLM):
         encoder_attention_mask: torch.Tensor | None = None,
         **extra: Any,
     ) -> torch.Tensor:
+        hidden = self._decoder_hidden(input_ids, position_ids, doc_ids, input_features, encoder_hidden_states,
+                                      encoder_attention_mask, extra)  # fmt: skip
+        return self._token_loss(hidden, shift_labels)
+
+    @torch.no_grad()
+    def evaluate(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        shift_labels: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        *,
+        input_features: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        **extra: Any,
+    ) -> dict[str, torch.Tensor]:
+        """Loss and next-token accuracy of the decoder over the SP group (see ``SeqParCausalLM.evaluate``),
+        with the same encoder inputs as ``forward``."""
+        hidden = self._decoder_hidden(input_ids, position_ids, doc_ids, input_features, encoder_hidden_states,
+                                      encoder_attention_mask, extra)  # fmt: skip
+        return self._token_accuracy(hidden, shift_labels)
+
+    def _decoder_hidden(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None,
+        features: torch.Tensor | None,
+        states: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        extra: dict[str, Any],
+    ) -> torch.Tensor:
+        """The decoder's final hidden states ``[B, n, E]``, cross-attending to this rank's encoder shard."""
         self._refuse_masks(extra)
-        states, mask = self._encoder_shard(input_features, encoder_hidden_states, encoder_attention_mask)
+        states, mask = self._encoder_shard(features, states, mask)
         ctx = self._context(doc_ids)
         ctx.cross_mask, ctx.cross_schedule = mask, self.cross_schedule
         hidden = self._hidden(input_ids, position_ids, doc_ids, ctx, encoder_hidden_states=states)
@@ -183,7 +217,7 @@ class SeqParSeq2SeqLM(SeqParCausalLM):
                 f"{type(self._parts.hf).__name__}: the decoder made no cross-attention call through the ds_seqpar "
                 "attention; its cross-attention does not dispatch through transformers' attention interface"
             )
-        return self._token_loss(hidden, shift_labels)
+        return hidden
 
     def _local_attention(self) -> str:
         """The implementation the replicated encoder runs with: the model's original one when transformers

@@ -623,7 +623,10 @@ class SeqParCausalLM(torch.nn.Module):
         extra: dict[str, Any],
     ) -> dict[str, torch.Tensor]:
         self._refuse_masks(extra)
-        hidden = self._hidden(input_ids, position_ids, doc_ids)
+        return self._token_accuracy(self._hidden(input_ids, position_ids, doc_ids), targets)
+
+    def _token_accuracy(self, hidden: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Loss, correct and count over the labelled ``targets [B, n]`` of the SP group, from ``hidden [B, n, E]``."""
         labelled = targets != -100
         logits = self._parts.logits(hidden[labelled][None])[0].float()  # [T, V], T labelled tokens
         targets = targets[labelled]
