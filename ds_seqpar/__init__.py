@@ -12,7 +12,9 @@ Public API (more arrives with the attention, data and engine modules):
   :func:`cross_attention`: exact cross-attention over the ring (rotate the queries or K/V, by size);
   :func:`input_layout`: the token layout the data side shards with; :func:`sparse_stats`: per-layer
   imbalance ratio and density of ``attention: "sparse_ring"``; :func:`linear_attention`: linear
-  attention (All-Scan over the ring) for linear and hybrid models.
+  attention (All-Scan over the ring) for linear and hybrid models; :func:`delta_rule_attention`: the
+  gated delta rule (GDN, KDA) with matrix transitions; :func:`register_recurrent_layer`: route a
+  new recurrent layer family (class -> forward).
 * :func:`initialize`: ``deepspeed.initialize`` with the section honoured (mesh, mpu, HF attention
   routing, SP loss, sharding DataLoader); :class:`SeqParCausalLM` (:class:`SeqParMaskedLM` for
   bidirectional encoders, :class:`SeqParSeq2SeqLM` with :func:`shard_encoder_states` for
@@ -30,6 +32,7 @@ from ds_seqpar.config import SeqParConfigError, SequenceParallelConfig, load_con
 from ds_seqpar.data import SeqParCollator, seqpar_dataloader, shard_batch
 from ds_seqpar.integrations.deepspeed import initialize, install_deepspeed_guard, sequence_parallel_scope
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
+from ds_seqpar.integrations.linear_models import register_recurrent_layer
 from ds_seqpar.integrations.seq2seq import SeqParSeq2SeqLM, shard_encoder_states
 from ds_seqpar.integrations.transformers import (
     SeqParCausalLM,
@@ -42,6 +45,7 @@ from ds_seqpar.loss import sp_causal_lm_loss
 from ds_seqpar.memory import MemoryEstimate, largest_seq_len, memory_estimate
 from ds_seqpar.mesh import DeepSpeedMPU, MeshCoords, MeshPlan, SeqParMesh, plan_mesh
 from ds_seqpar.parallel.cross import cross_attention
+from ds_seqpar.parallel.delta_scan import delta_rule_attention
 from ds_seqpar.parallel.linear_scan import linear_attention
 from ds_seqpar.parallel.sparse_ring import SparseLayerStats, sparse_stats
 from ds_seqpar.parallel.usp import attention, input_layout
@@ -74,6 +78,7 @@ __all__ = [
     "accelerate_prepare",
     "attention",
     "cross_attention",
+    "delta_rule_attention",
     "disable_sequence_parallel",
     "enable_sequence_parallel",
     "initialize",
@@ -84,6 +89,7 @@ __all__ = [
     "memory_estimate",
     "parse_section",
     "plan_mesh",
+    "register_recurrent_layer",
     "seqpar_dataloader",
     "sequence_parallel_scope",
     "shard_batch",

@@ -20,6 +20,8 @@ FEATURE_MODELS = {
 
 # bidirectional encoders with a masked-LM head
 ENCODER_MODELS = ("modernbert", "bert")
+# hybrids whose recurrent layers ds_seqpar routes (GDN, KDA, Mamba2), built by benchmarks/tiny_configs.py
+HYBRID_MODELS = ("qwen3_next", "qwen3_5", "kimi_linear", "nemotron_h", "bamba", "granitemoehybrid")
 MASK_ID = 4  # the tiny encoders' mask token
 
 
@@ -103,9 +105,13 @@ def masked_batches(
 def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
     """A float32 causal LM: ``llama``, ``mistral`` (sliding window), ``qwen3`` (H=8, H_kv=2), ``qwen3_moe``, or one of
     :data:`FEATURE_MODELS` (Gemma 2 soft-caps, Granite logit divisor, Cohere logit scale, gpt-oss sinks); one of
-    :data:`ENCODER_MODELS` gives :func:`tiny_encoder`."""
+    :data:`ENCODER_MODELS` gives :func:`tiny_encoder`, one of :data:`HYBRID_MODELS` the sweep's tiny hybrid."""
     if kind in ENCODER_MODELS:
         return tiny_encoder(kind, seed)
+    if kind in HYBRID_MODELS:
+        from benchmarks.tiny_configs import build_tiny_model
+
+        return build_tiny_model(kind, seed=seed)
     if kind == "whisper":
         return tiny_whisper(seed)
     import transformers

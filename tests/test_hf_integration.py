@@ -16,13 +16,26 @@ import torch.distributed as dist
 import ds_seqpar
 from ds_seqpar import SeqParCausalLM, SeqParMaskedLM, SeqParMesh, SequenceParallelConfig, shard_batch
 from ds_seqpar.integrations.hf_model import objective_of
-from tests.hf_models import ENCODER_INPUTS, FEATURE_MODELS, batches, reference_loss, tiny_model
+from tests.hf_models import ENCODER_INPUTS, FEATURE_MODELS, HYBRID_MODELS, batches, reference_loss, tiny_model
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
     """Relative error; ``floor`` bounds the norm divided by (a BERT key bias has an exactly zero gradient,
     computed as ~1e-11 of rounding noise on both sides)."""
     return ((a - b).norm() / b.norm().clamp(min=floor)).item()
+
+
+def _floor(objective: str, kind: str, ref: torch.nn.Module) -> float:
+    """The norm floor of :func:`_rel` for one model. Masked LMs: 1e-4. Hybrids with recurrent layers: 1 % of
+    the whole gradient's norm (benchmarks/model_sweep.py's rule): the decay parameters' gradients (A_log,
+    dt_bias) are sums over every token with heavy cancellation, and two float32 chunk algorithms (HF's
+    and ds_seqpar's) already differ by ~1e-5 of them in ONE process."""
+    if objective == "masked":
+        return 1e-4
+    if kind in HYBRID_MODELS:
+        grads = [p.grad.double() for p in ref.parameters() if p.grad is not None]
+        return 1e-2 * torch.sqrt(sum((g**2).sum() for g in grads)).item()
+    return 1e-30
 
 
 def _mesh(
@@ -64,7 +77,7 @@ def sp_vs_reference(
     shard = shard_batch(batch, mesh, objective=sp.objective)
     loss = sp(**shard)
     loss.backward()
-    floor = 1e-4 if sp.objective == "masked" else 1e-30
+    floor = _floor(sp.objective, kind, ref)
     worst = 0.0
     for p, p_ref in zip(model.parameters(), ref.parameters()):
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -277,7 +290,7 @@ def deepspeed_ab(
                 if not p_ref.requires_grad:
                     continue
                 grad = deepspeed.utils.safe_get_full_grad(p)
-                floor = 1e-4 if engine.module.objective == "masked" else 1e-30
+                floor = _floor(engine.module.objective, kind, ref)
                 worst = max(worst, _rel(grad, p_ref.grad, floor))
             grad_err = worst
         engine.step()

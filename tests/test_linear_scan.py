@@ -40,6 +40,8 @@ def _inputs(seq_len: int, decay: str, seed: int) -> dict[str, torch.Tensor | Non
     }
     if decay == "scalar":
         t["decay"] = -torch.rand(H, generator=g, dtype=torch.float64) * 0.3
+    elif decay == "token":  # Mamba2: one scalar per token and head
+        t["decay"] = -torch.rand(B, seq_len, H, generator=g, dtype=torch.float64) * 0.3
     elif decay == "gate":
         t["decay"] = -torch.rand(B, seq_len, H, DK, generator=g, dtype=torch.float64) * 0.3
     else:
@@ -86,7 +88,7 @@ def run_linear_cases(cases: list[dict]) -> list[dict]:
         with mesh.comm_stats.measure() as bwd:
             out.backward(layout.shard(t["dout"], me))
         errors = {"out": (out - layout.shard(ref.detach(), me)).abs().max().item()}
-        for name in ("q", "k", "v"):
+        for name in ("q", "k", "v") + (("decay",) if "decay" in local and local["decay"].dim() > 1 else ()):
             errors["d" + name] = (local[name].grad - layout.shard(leaves[name].grad, me)).abs().max().item()
         grads = {"init": init.grad}
         if "decay" in local:
@@ -100,7 +102,6 @@ def run_linear_cases(cases: list[dict]) -> list[dict]:
                 "gather_fwd": fwd.bytes("all_gather"),
                 "ref_init": leaves["init"].grad,
                 "ref_decay": leaves["decay"].grad if "decay" in leaves else None,
-                "decay_local": "decay" in local and t["decay"].dim() == 4,
             }
         )
     return results
@@ -138,11 +139,13 @@ def _cases(p: int) -> list[dict]:
     cases = []
     us = [u for u in (1, 2, 4) if p % u == 0 and H % u == 0]
     for decay, blocks, layout in itertools.product(
-        ("none", "scalar", "gate"), (1, 2, DK), ("contiguous", "zigzag")
+        ("none", "scalar", "token", "gate"), (1, 2, DK), ("contiguous", "zigzag")
     ):
         cases.append(dict(u=1, decay=decay, blocks=blocks, layout=layout, mode="all_scan", chunk=3))
     for u, mode, layout in itertools.product(us, ("all_scan", "all_gather"), ("contiguous", "zigzag")):
         cases.append(dict(u=u, decay="gate", blocks=2, layout=layout, mode=mode, chunk=4))
+    for u in us:
+        cases.append(dict(u=u, decay="token", blocks=2, layout="zigzag", mode="all_scan", chunk=4))
     for i, case in enumerate(cases):
         case.update(seq_len=6 * p * max(2, case["u"]), seed=i)
     return cases

@@ -4,9 +4,9 @@ The default suite runs a fixed subset that covers every mechanism ds_seqpar hono
 plain attention, attention soft-capping and a final logit soft-cap, logit divisors and scales,
 attention sinks, sliding windows, per-layer attention types, parallel blocks, MoE routing, a
 composite (multimodal) model on text, MLA head dims, nested decoders, layers that do not forward
-their keyword arguments; and every kind of refusal: recurrent layers, convolutions, positions
-derived outside ``position_ids``, another loss convention, chunked attention, a window that only
-lives in a mask. The slow suite
+their keyword arguments, routed recurrent layers (gated DeltaNet, KDA, Mamba2); and every kind of
+refusal: Mamba (v1) layers, convolutions, positions derived outside ``position_ids``, another loss
+convention, chunked attention, a window that only lives in a mask. The slow suite
 runs ``benchmarks/model_sweep.py`` over every causal-LM type of the installed transformers.
 """
 
@@ -33,8 +33,10 @@ EXPECTED = {
     "opt": "exact",  # decoder nested one level down (model.decoder): the logits stand-in follows the path
     "stablelm": "exact",  # layers do not forward **kwargs to the attention: the context of the forward
     "diffllama": "exact",  # two attention calls per layer
-    "qwen3_next": "refused",  # gated DeltaNet layers
-    "jamba": "refused",  # Mamba layers
+    "qwen3_next": "exact",  # gated DeltaNet layers (conv1d halo + matrix All-Scan), MoE
+    "kimi_linear": "exact",  # Kimi Delta Attention: per-channel decay
+    "nemotron_h": "exact",  # Mamba2 mixers, MLP-only layers
+    "jamba": "refused",  # Mamba (v1) layers
     "zaya": "refused",  # a causal Conv1d inside the attention's projections
     "roberta": "refused",  # positions derived from padding (probe: a shard differs from the whole)
     "whisper": "refused",  # its loss does not shift the labels

@@ -302,11 +302,13 @@ def test_sparse_ring_config_trains_with_dense_warmup(dist_pool, tmp_path):
         assert torch.isfinite(torch.tensor(row["loss"]))
 
 
-def test_hybrid_minimax_trains_like_without_sp(dist_pool, tmp_path):
-    """ds_configs/linear_scan_zero3.json on the tiny MiniMax hybrid (Lightning linear + softmax layers):
-    5 ZeRO-3 steps on 2 SP ranks (U 1 x R 2, zigzag All-Scan) give the losses of 1 process without SP."""
+@pytest.mark.parametrize("asset", ["tiny-minimax", "tiny-qwen3-next"])
+def test_hybrid_trains_like_without_sp(dist_pool, tmp_path, asset):
+    """ds_configs/linear_scan_zero3.json on the tiny hybrids (MiniMax: Lightning linear + softmax layers;
+    Qwen3-Next: gated DeltaNet with its conv1d + softmax layers): 5 ZeRO-3 steps on 2 SP ranks (U 1 x R 2,
+    zigzag All-Scan) give the losses of 1 process without SP."""
     config = json.loads((DEFAULT_CONFIG.parent / "linear_scan_zero3.json").read_text())
-    model = str(DEFAULT_CONFIG.parent.parent / "assets" / "tiny-minimax")
+    model = str(DEFAULT_CONFIG.parent.parent / "assets" / asset)
     losses = {}
     for size in (2, 1):
         config["sequence_parallel"].update(size=size, ulysses_degree=1)

@@ -110,6 +110,7 @@ def current_context(kwargs: dict[str, Any]) -> SeqParContext | None:
 # Keywords of transformers' attention interface that ds_seqpar honours (values checked below) and
 # keywords that never change the result (positions are already in q/k through RoPE; the cache is
 # refused through q_len != k_len; attention weights are not returned).
+FEED_FORWARD_LAYER_TYPES = frozenset({"mlp", "moe"})  # config.layer_types entries without sequence mixing
 HONOURED_KEYWORDS = ("dropout", "scaling", "sliding_window", "softcap", "s_aux", "is_causal")
 NEUTRAL_KEYWORDS = frozenset(
     {
@@ -490,7 +491,10 @@ class SeqParCausalLM(torch.nn.Module):
         hf, expected = self._parts.hf, self._parts.num_layers
         missing: list[int] = []
         if self._parts.layer_of:
-            missing = sorted(set(range(expected)) - ctx.layers)
+            # a layer the config declares feed-forward only (Nemotron-H's "mlp" / "moe") mixes no tokens
+            types = getattr(getattr(self._parts.decoder, "config", hf.config), "layer_types", None) or ()
+            idle = {i for i, kind in enumerate(types) if kind in FEED_FORWARD_LAYER_TYPES}
+            missing = sorted(set(range(expected)) - ctx.layers - idle)
         elif ctx.calls == 0 or (expected is not None and ctx.calls < expected):
             missing = [-1]
         if missing:

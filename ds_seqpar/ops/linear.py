@@ -7,8 +7,9 @@ Legend:
     v, out      [B, S, H, d_v]
     state       [B, H, d_k, d_v]
     log_decay   None (plain, alpha = 1); [H] (RetNet / Lightning: one alpha = exp(log_decay) <= 1 per
-                head, same for every token and channel); or [B, S, H, d_k] (GLA: per-token vector
-                gate). Always a LOG decay, finite and <= 0
+                head, same for every token and channel); [B, S, H] (Mamba2 / SSD: one scalar per
+                token and head, dt_t * A_h); or [B, S, H, d_k] (GLA: per-token vector gate).
+                Always a LOG decay, finite and <= 0
     acc dtype   float64 for float64 inputs, else float32; states, local outputs and gradients use it
 
 Model, per head (§16.1), inclusive of token t:
@@ -123,9 +124,10 @@ def _log_decay_bh(q: torch.Tensor, log_decay: torch.Tensor | None) -> torch.Tens
     b, s, h, d_k = q.shape
     if not isinstance(log_decay, torch.Tensor):
         raise ValueError(f"log_decay must be a tensor or None, got {type(log_decay).__name__}")
-    if tuple(log_decay.shape) not in ((h,), (b, s, h, d_k)):
+    if tuple(log_decay.shape) not in ((h,), (b, s, h), (b, s, h, d_k)):
         raise ValueError(
-            f"log_decay shape {tuple(log_decay.shape)} must be [H] = {(h,)} (scalar per head) "
+            f"log_decay shape {tuple(log_decay.shape)} must be [H] = {(h,)} (scalar per head), "
+            f"[B, S, H] = {(b, s, h)} (scalar per token and head, Mamba2) "
             f"or [B, S, H, d_k] = {(b, s, h, d_k)} (per-token gate)"
         )
     if not log_decay.is_floating_point():
@@ -141,6 +143,8 @@ def _log_decay_bh(q: torch.Tensor, log_decay: torch.Tensor | None) -> torch.Tens
     g = log_decay.to(_acc_dtype(q.dtype))
     if g.dim() == 1:
         return g.view(1, h, 1, 1).expand(1, h, s, 1)
+    if g.dim() == 3:
+        return g.transpose(1, 2).unsqueeze(-1)
     return g.transpose(1, 2)
 
 
@@ -300,6 +304,8 @@ def _fla_inputs(q: torch.Tensor, log_decay: torch.Tensor | None) -> tuple[str, t
         return "gla", log_decay
     if log_decay is None:
         return "simple", None
+    if log_decay.dim() == 3:
+        return "simple", log_decay
     return "simple", log_decay.view(1, 1, -1).expand(q.shape[0], q.shape[1], -1)
 
 

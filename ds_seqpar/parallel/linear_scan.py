@@ -3,7 +3,7 @@
 Legend: P = U · R SP ranks, n = S / P tokens per rank, H heads, d_k / d_v key / value head dims.
 
     q, k [B, n, H, d_k], v [B, n, H, d_v], gate [B, n, H, d_k] (UspLayout order)
-      -> Ulysses all-to-all (one call for q, k, v and the gate)    [B, S/R, h_u, d]
+      -> Ulysses all-to-all (one call: q, k, v and the gate packed)  [B, S/R, h_u, d]
       -> the ring rank's pieces of the sequence (contiguous: one piece; zigzag: two, c_r and c_{2R-1-r})
          1. each piece's state summary (``ops/linear.piece_state``; one pass, no outputs yet)
          2. All-Scan of the entering states over the ring group (``comm/scan.py``), K row blocks along
@@ -20,6 +20,7 @@ and direction (``[B, h_u, d_k, d_v]``), independent of S; ``scan: all_gather`` r
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 
 from ds_seqpar.comm.all_to_all import HeadPlan, head_to_seq, seq_to_head
 from ds_seqpar.comm.scan import StateScan, chain_owners
+from ds_seqpar.config import SeqParConfigError
 from ds_seqpar.layout import input_layout
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.linear import advance_state, entering_state_output, local_scan, piece_state
@@ -136,6 +138,28 @@ def _pieces(layout_kind: str, n: int) -> tuple[slice, ...]:
     return (slice(0, n),)
 
 
+def check_heads(h: int, mesh: SeqParMesh, what: str) -> None:
+    """A recurrent layer splits its heads over Ulysses: refuse U > H by name (before any collective)."""
+    if h < mesh.ulysses_size:
+        raise SeqParConfigError(
+            f"{what} has H={h} heads but ulysses_degree U={mesh.ulysses_size}: its heads cannot be split U ways; "
+            f"set sequence_parallel.ulysses_degree <= {h} (the rest of the SP degree goes to the ring)"
+        )
+
+
+def to_heads(
+    parts: list[torch.Tensor], heads: HeadPlan, group: object, me: int, stats: object
+) -> list[torch.Tensor]:
+    """Ulysses all-to-all of ``[B, n, H, d_i]`` tensors in ONE call (packed along the last axis in the
+    widest of their dtypes, so an fp32 gate beside bf16 q/k/v keeps its precision) -> ``[B, U·n, h_u, d_i]``
+    each, back in the parts' own dtypes."""
+    widths = [x.shape[-1] for x in parts]
+    wide = functools.reduce(torch.promote_types, [x.dtype for x in parts])
+    packed = torch.cat([x.to(wide) for x in parts], dim=-1)
+    (moved,) = seq_to_head((packed,), (heads.q_counts,), group, me, stats)
+    return [y.to(x.dtype) for y, x in zip(moved.split(widths, dim=-1), parts, strict=True)]
+
+
 def scan_plan(
     mesh: SeqParMesh, local_len: int, chunk_size: int, blocks: int, mode: str, scale: float
 ) -> ScanPlan:
@@ -165,8 +189,8 @@ def linear_attention(
         q, k: ``[B, n, H, d_k]``; v: ``[B, n, H, d_v]``: this rank's tokens in ``input_layout(mesh)`` order
             (ring layout contiguous or zigzag).
         mesh: the mesh; ``mesh.config.linear`` gives scan mode, K blocks and chunk size.
-        log_decay: None, ``[H]`` (one log decay per head) or ``[B, n, H, d_k]`` (per-token gate, sharded
-            like q). Log decays must be <= 0.
+        log_decay: None, ``[H]`` (one log decay per head), ``[B, n, H]`` (one per token and head, Mamba2)
+            or ``[B, n, H, d_k]`` (per-token gate); the per-token ones sharded like q. Log decays must be <= 0.
         initial_state: ``[B, H, d_k, d_v]`` state before the first token, or None (zeros).
 
     Returns:
@@ -183,27 +207,27 @@ def linear_attention(
             f"linear attention takes q, k [B, n, H, d_k] and v [B, n, H, d_v]; got {tuple(q.shape)}, "
             f"{tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if log_decay is not None and tuple(log_decay.shape) not in ((h,), (b, n, h, d_k)):
+    if log_decay is not None and tuple(log_decay.shape) not in ((h,), (b, n, h), (b, n, h, d_k)):
         raise ValueError(
-            f"log_decay shape {tuple(log_decay.shape)} must be [H] = ({h},) or [B, n, H, d_k] = {(b, n, h, d_k)}"
+            f"log_decay shape {tuple(log_decay.shape)} must be [H] = ({h},), [B, n, H] = {(b, n, h)} or "
+            f"[B, n, H, d_k] = {(b, n, h, d_k)}"
         )
     chunk_size, blocks, mode = lin.chunk_size, lin.blocks, lin.scan
     chain_owners(mesh.ring_size, cfg.ring_layout[0])  # layout check, pre-comm
+    check_heads(h, mesh, "a linear-attention layer")
     heads = HeadPlan.build(h, h, mesh.ulysses_size)
     group, me, stats = mesh.group("ulysses"), mesh.coords.ulysses_rank, mesh.comm_stats
-    gate = log_decay is not None and log_decay.dim() == 4
-    xs = (q, k, v, log_decay) if gate else (q, k, v)
-    if v.shape[-1] == d_k:  # one all-to-all for everything
-        moved = seq_to_head(xs, (heads.q_counts,) * len(xs), group, me, stats)
-    else:  # d_v != d_k: values travel in their own call
-        keys = tuple(x for i, x in enumerate(xs) if i != 2)
-        got = seq_to_head(keys, (heads.q_counts,) * len(keys), group, me, stats)
-        (v_moved,) = seq_to_head((v,), (heads.q_counts,), group, me, stats)
-        moved = (got[0], got[1], v_moved, *got[2:])
-    q2, k2, v2 = moved[:3]
+    per_token = log_decay is not None and log_decay.dim() > 1
+    parts = [q, k, v] + (
+        [log_decay if log_decay.dim() == 4 else log_decay.unsqueeze(-1)] if per_token else []
+    )
+    q2, k2, v2, *rest = to_heads(parts, heads, group, me, stats)
     start = sum(heads.q_counts[:me])
     mine = slice(start, start + heads.q_counts[me])
-    decay2 = moved[3] if gate else (None if log_decay is None else log_decay[mine])
+    if per_token:
+        decay2 = rest[0] if log_decay.dim() == 4 else rest[0].squeeze(-1)
+    else:
+        decay2 = None if log_decay is None else log_decay[mine]
     init2 = None if initial_state is None else initial_state[:, mine]
     plan = scan_plan(mesh, q2.shape[1], chunk_size, blocks, mode, scale)
     out, _ = _LinearScan.apply(q2, k2, v2, decay2, init2, plan)

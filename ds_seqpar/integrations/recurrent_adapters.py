@@ -1,0 +1,240 @@
+"""Sequence-parallel forwards for the recurrent layers of HF hybrid models (registered in ``linear_models.py``).
+
+Each forward mirrors the HF layer's training path (no cache) step by step and keeps every weight of
+the module; only three things change: the causal conv1d gets its halo from the previous rank
+(``parallel/delta_scan.sharded_causal_conv1d``), and the recurrence runs over the whole sequence through
+``ds_seqpar.linear_attention`` (Lightning, Mamba2) or ``parallel/delta_scan.delta_rule_attention``
+(gated DeltaNet, KDA). Per-token steps (projections, gates, norms, the D skip) stay local.
+
+Padding (document id < 0) is zeroed where HF's ``apply_mask_to_padding_states`` zeroes it. Packed
+documents do not reset the recurrent state, as in the HF model without a cache; the family conventions
+(beta, decay, q/k normalisation, GVA) are in docs/delta.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def _context(module: torch.nn.Module, kwargs: dict, cache: Any) -> Any:
+    from ds_seqpar.integrations.transformers import SeqParContext, current_context
+
+    ctx = current_context(kwargs)
+    name = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    if not isinstance(ctx, SeqParContext):
+        raise RuntimeError(
+            f"{name} runs under ds_seqpar without a ds_seqpar context; run the model through "
+            "ds_seqpar.SeqParCausalLM / ds_seqpar.initialize, or disable_sequence_parallel(model)"
+        )
+    if cache is not None or kwargs.get("use_cache"):
+        raise RuntimeError(
+            f"{name}: a recurrent cache is in use (generation); sequence-parallel recurrent layers need the whole "
+            "sequence at once: pass use_cache=False, and generate with an unwrapped model"
+        )
+    return ctx
+
+
+def _zero_padding(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    """``x [B, n, C]`` with the rows of padding tokens (doc id < 0) zeroed, as HF's padding mask does."""
+    if ctx.doc_ids is None:
+        return x
+    from ds_seqpar.layout import input_layout
+
+    b = x.shape[0]
+    real = ctx.doc_ids if ctx.doc_ids.dim() == 2 else ctx.doc_ids.expand(b, -1)
+    keep = input_layout(ctx.mesh).shard(real, ctx.mesh.coords.sp_rank, dim=1) >= 0
+    return (x * keep[:, :, None]).to(x.dtype)
+
+
+def _family(module: torch.nn.Module) -> Any:
+    """The module's own transformers modeling module (for its ``l2norm`` and activation table)."""
+    return sys.modules[type(module).__module__]
+
+
+def _conv(module: torch.nn.Module, ctx: Any, mixed: torch.Tensor) -> torch.Tensor:
+    """The layer's causal depthwise conv1d + activation on ``[B, n, C]`` rows, the halo from the previous rank."""
+    from ds_seqpar.parallel.delta_scan import sharded_causal_conv1d
+
+    act = _family(module).ACT2FN[module.activation]
+    conv = module.conv1d
+    return sharded_causal_conv1d(mixed, conv.weight.squeeze(1), conv.bias, mesh=ctx.mesh, activation=act)
+
+
+# -- MiniMax: Lightning attention ---------------------------------------------------------------
+
+
+def lightning_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    cache: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``MiniMaxLightningAttention.forward``: qkv = silu(qkv_proj(x)); S_t = e^{-s_h} S_{t-1} + k_tᵀ v_t;
+    out = out_proj(sigmoid(output_gate(x)) * norm(o))."""
+    from ds_seqpar.parallel.linear_scan import linear_attention
+
+    ctx = _context(self, kwargs, cache)
+    b, n, _ = hidden_states.shape
+    h, d = self.num_attention_heads, self.head_dim
+    qkv = self.act_fn(self.qkv_proj(hidden_states)).reshape(b, n, h, 3 * d)
+    q, k, v = (
+        _zero_padding(ctx, x.reshape(b, n, h * d)).reshape(b, n, h, d) for x in torch.split(qkv, d, dim=3)
+    )
+    out = linear_attention(q, k, v, mesh=ctx.mesh, log_decay=-self.slope_rate.view(h).to(q.dtype))
+    out = self.norm(out.reshape(b, n, h * d))
+    out = torch.sigmoid(self.output_gate(hidden_states)) * out
+    ctx.record(self)
+    return self.out_proj(out), None
+
+
+# -- gated DeltaNet (Qwen3-Next, Qwen3.5) and KDA (Kimi Linear) ------------------------------------
+
+
+def _delta_core(
+    module: torch.nn.Module,
+    ctx: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor,
+) -> torch.Tensor:
+    """HF's ``chunk_*_delta_rule(..., use_qk_l2norm_in_kernel=True)`` under SP: float32, the family's own
+    l2norm on q and k, q scaled by d_k^-1/2, q/k heads repeated to the value heads (GVA)."""
+    from ds_seqpar.parallel.delta_scan import delta_rule_attention
+
+    l2norm = _family(module).l2norm
+    dtype = q.dtype
+    q, k = (l2norm(x.float(), dim=-1, eps=1e-6) for x in (q, k))
+    rep = v.shape[2] // q.shape[2]
+    if rep > 1:
+        q, k = (x.repeat_interleave(rep, dim=2) for x in (q, k))
+    out = delta_rule_attention(
+        q, k, v.float(), beta.float(), mesh=ctx.mesh, log_decay=g.float(), scale=q.shape[-1] ** -0.5
+    )
+    ctx.record(module)
+    return out.to(dtype)
+
+
+def _gdn_tail(module: torch.nn.Module, ctx: Any, mixed_qkv, z, b, a) -> torch.Tensor:
+    """Conv, the gated delta rule, gated norm and output projection shared by the GDN families."""
+    bsz, n = mixed_qkv.shape[:2]
+    mixed_qkv = _conv(module, ctx, mixed_qkv)
+    q, k, v = torch.split(mixed_qkv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    q = q.reshape(bsz, n, -1, module.head_k_dim)
+    k = k.reshape(bsz, n, -1, module.head_k_dim)
+    v = v.reshape(bsz, n, -1, module.head_v_dim)
+    beta = b.sigmoid()
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+    core = _delta_core(module, ctx, q, k, v, beta, g)
+    out = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return module.out_proj(out.reshape(bsz, n, -1))
+
+
+def qwen3_next_gdn_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    cache: Any = None,
+    attention_mask: Any = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """``Qwen3NextGatedDeltaNet.forward`` (interleaved qkvz / ba projections) with the sequence split."""
+    ctx = _context(self, kwargs, cache)
+    hidden_states = _zero_padding(ctx, hidden_states)
+    q, k, v, z, b, a = self.fix_query_key_value_ordering(
+        self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
+    )
+    mixed = torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)], dim=-1)
+    return _gdn_tail(self, ctx, mixed, z, b, a)
+
+
+def qwen3_5_gdn_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    cache: Any = None,
+    attention_mask: Any = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """``Qwen3_5GatedDeltaNet.forward`` (separate qkv / z / b / a projections) with the sequence split."""
+    ctx = _context(self, kwargs, cache)
+    hidden_states = _zero_padding(ctx, hidden_states)
+    bsz, n, _ = hidden_states.shape
+    z = self.in_proj_z(hidden_states).reshape(bsz, n, -1, self.head_v_dim)
+    return _gdn_tail(
+        self,
+        ctx,
+        self.in_proj_qkv(hidden_states),
+        z,
+        self.in_proj_b(hidden_states),
+        self.in_proj_a(hidden_states),
+    )
+
+
+def kda_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    cache: Any = None,
+    attention_mask: Any = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """``KimiLinearDeltaAttention.forward``: per-channel forget gate, delta rule, gated norm, output."""
+    ctx = _context(self, kwargs, cache)
+    hidden_states = _zero_padding(ctx, hidden_states)
+    bsz, n, _ = hidden_states.shape
+    shape = (bsz, n, -1, self.head_dim)
+    mixed = torch.cat(
+        [self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1
+    )
+    mixed = _conv(self, ctx, mixed)
+    q, k, v = (x.reshape(shape) for x in torch.split(mixed, [self.qkv_dim] * 3, dim=-1))
+    g = self.forget_gate(hidden_states)
+    beta = torch.sigmoid(self.b_proj(hidden_states))
+    core = _delta_core(self, ctx, q, k, v, beta, g)
+    gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(shape)
+    return self.o_proj(self.o_norm(core, gate).reshape(bsz, n, -1))
+
+
+# -- Mamba2 / SSD mixers (Nemotron-H, Bamba) ---------------------------------------------------------
+
+
+def mamba2_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    cache: Any = None,
+    attention_mask: Any = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """The Mamba2 mixer's torch path: in_proj -> (gate, xBC, dt); conv1d + act on xBC; the SSD scan
+    h_t = e^{dt_t A_h} h_{t-1} + dt_t B_t x_tᵀ, y_t = C_t h_t + D_h x_t (as linear attention with
+    q = C, k = B, v = dt·x, log decay dt·A per token and head); gated RMSNorm; out_proj."""
+    from ds_seqpar.parallel.linear_scan import linear_attention
+
+    ctx = _context(self, kwargs, cache)
+    bsz, n, _ = hidden_states.shape
+    dtype = hidden_states.dtype
+    hidden_states = _zero_padding(ctx, hidden_states)
+    projected = self.in_proj(hidden_states)
+    a_log = -torch.exp(self.A_log.float())
+    gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+    xbc = _zero_padding(ctx, _conv(self, ctx, xbc))
+    groups, state = self.n_groups, self.ssm_state_size
+    x, b_in, c_in = torch.split(xbc, [self.intermediate_size, groups * state, groups * state], dim=-1)
+    limit = getattr(self, "time_step_limit", (0.0, float("inf")))
+    dt = torch.clamp(F.softplus(dt + self.dt_bias.to(dt.dtype)), min=limit[0], max=limit[1])
+    heads = self.num_heads
+    x = x.reshape(bsz, n, heads, self.head_dim).float()
+    b_in, c_in = (
+        t.reshape(bsz, n, groups, state).float().repeat_interleave(heads // groups, dim=2, output_size=heads)
+        for t in (b_in, c_in)
+    )
+    y = linear_attention(c_in, b_in, x * dt[..., None].float(), mesh=ctx.mesh, log_decay=a_log * dt.float())
+    y = y + self.D[..., None] * x
+    ctx.record(self)
+    out = self.norm(y.reshape(bsz, n, -1), gate)
+    return self.out_proj(out.to(dtype))

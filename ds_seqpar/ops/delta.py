@@ -1,0 +1,298 @@
+"""Gated delta rule (GDN, KDA) in chunk form with state in/out, and its All-Scan split (docs/delta.md).
+
+Legend:
+    B, S, H     batch, tokens (of the sequence or of one rank's contiguous piece), heads
+    q, k        [B, S, H, d_k]            (normalised by the caller as its model does)
+    v, out      [B, S, H, d_v]
+    beta        [B, S, H]                 write strength beta_t in [0, 1]
+    log_decay   None; [B, S, H] (gated DeltaNet: one decay per token and head); or [B, S, H, d_k]
+                (Kimi Delta Attention: one per token, head and key channel). Finite and <= 0
+    state       [B, H, d_k, d_v]
+    acc dtype   float64 for float64 inputs, else float32
+
+Recurrence per head (decay first, then the delta correction against the decayed state):
+    D_t = diag(exp(log_decay_t)),   S'_t = D_t S_{t-1}
+    S_t = S'_t + beta_t k_t (v_t - S'_tᵀ k_t)ᵀ = (I - beta_t k_t k_tᵀ) D_t S_{t-1} + beta_t k_t v_tᵀ
+    o_t = scale * S_tᵀ q_t
+
+Chunk form (chunk of C tokens entering with state S_0; G_t = cumulative log decay inside the chunk,
+inclusive, so every exp below has an exponent <= 0):
+    the state-free "new values"   u_t = beta_t (v_t - k_tᵀ D_t S_{t-1})   satisfy
+        (I + diag(beta) L) u = diag(beta) (V - K+ S_0),   L[t, j] = Σ_c k_tc k_jc e^{G_tc - G_jc}  (j < t),
+        K+ = K ⊙ e^{G}, so with T = (I + diag(beta) L)^-1:   u = U - W S_0,  U = T diag(beta) V,
+        W = T diag(beta) K+
+    outputs   O = Q+ S_0 + A u,        A[t, j] = Σ_c q_tc k_jc e^{G_tc - G_jc}  (j <= t),  Q+ = Q ⊙ e^{G}
+    leaving   S_C = diag(e^{G_C}) S_0 + (K ⊙ e^{G_C - G})ᵀ u
+Everything but the short sweep over chunks (u, O, S_C) is independent of the state, so a piece is
+prepared once (``delta_piece``) and swept as often as needed.
+
+All-Scan split (issue 23): the layer is affine in the entering state, column by column of d_v:
+    S_out = M S_in + N        (M [d_k, d_k]: product of the chunk maps diag(e^{G_C}) - (K ⊙ e^{G_C-G})ᵀ W;
+                               N: the leaving state from a zero entering state)
+    out   = out(0) + out_E    (out_E: the sweep with V = 0 and S_0 = S_in, linear in S_in)
+``piece_transition`` gives (M, N), ``piece_outputs`` the outputs and leaving state from any entering
+state, ``entering_state_output`` the correction alone. Backward: autograd through these torch ops.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ds_seqpar.ops.linear import _acc_dtype, _check_chunk_size, _check_qkv, _check_tensor
+
+__all__ = [
+    "DeltaPiece",
+    "chunk_delta_rule",
+    "delta_piece",
+    "delta_rule_reference",
+    "entering_state_output",
+    "piece_outputs",
+    "piece_transition",
+]
+
+
+class DeltaPiece(NamedTuple):
+    """A prepared piece, heads first, in the acc dtype; N chunks of C tokens (the last zero-padded).
+
+    Attributes:
+        length: real tokens S of the piece (rows past it are padding and dropped).
+        q_plus: ``[B, H, N, C, d_k]`` scale · q ⊙ e^{G}.
+        a_qk: ``[B, H, N, C, C]`` intra-chunk output weights A (lower triangular, diagonal included).
+        w: ``[B, H, N, C, d_k]`` W = T diag(beta) K+.
+        values: ``[B, H, N, C, d_v]`` U = T diag(beta) V.
+        k_end: ``[B, H, N, C, d_k]`` K ⊙ e^{G_C - G}.
+        gamma: ``[B, H, N, d_k|1]`` e^{G_C}, the chunk's total decay.
+    """
+
+    length: int
+    q_plus: torch.Tensor
+    a_qk: torch.Tensor
+    w: torch.Tensor
+    values: torch.Tensor
+    k_end: torch.Tensor
+    gamma: torch.Tensor
+
+
+def _check_gates(q: torch.Tensor, beta: torch.Tensor, log_decay: torch.Tensor | None) -> None:
+    b, s, h, d_k = q.shape
+    if not isinstance(beta, torch.Tensor):
+        raise ValueError(f"beta must be a [B, S, H] tensor, got {type(beta).__name__}")
+    _check_tensor("beta", beta, (b, s, h), q.device)
+    if log_decay is None:
+        return
+    if not isinstance(log_decay, torch.Tensor):
+        raise ValueError(f"log_decay must be a tensor or None, got {type(log_decay).__name__}")
+    if tuple(log_decay.shape) not in ((b, s, h), (b, s, h, d_k)):
+        raise ValueError(
+            f"log_decay shape {tuple(log_decay.shape)} must be [B, S, H] = {(b, s, h)} (gated DeltaNet) "
+            f"or [B, S, H, d_k] = {(b, s, h, d_k)} (KDA, per key channel)"
+        )
+    _check_tensor("log_decay", log_decay, tuple(log_decay.shape), q.device)
+    bad = ~torch.isfinite(log_decay) | (log_decay > 0)
+    if bool(bad.any()):
+        raise ValueError(
+            f"log_decay must be finite and <= 0 (log of a decay in (0, 1]), got an entry {log_decay[bad][0].item():g}"
+        )
+
+
+def _heads_first(x: torch.Tensor | None, acc: torch.dtype) -> torch.Tensor | None:
+    """``[B, S, H, ...]`` -> ``[B, H, S, ...]`` in the acc dtype; a ``[B, S, H]`` gate gets a trailing 1."""
+    if x is None:
+        return None
+    if x.dim() == 3:
+        x = x.unsqueeze(-1)
+    return x.to(acc).transpose(1, 2)
+
+
+def _initial(
+    q: torch.Tensor, v: torch.Tensor, state: torch.Tensor | None, acc: torch.dtype
+) -> torch.Tensor | None:
+    if state is None:
+        return None
+    b, _, h, d_k = q.shape
+    _check_tensor("initial_state", state, (b, h, d_k, v.shape[-1]), q.device)
+    return state.to(acc)
+
+
+def delta_rule_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    log_decay: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    *,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token recurrence (the ground truth; O(S) Python steps; differentiable).
+
+    Returns ``(out [B, S, H, d_v] in q's dtype, final_state [B, H, d_k, d_v] in the acc dtype)``.
+    """
+    _check_qkv(q, k, v)
+    _check_gates(q, beta, log_decay)
+    acc = _acc_dtype(q.dtype)
+    b, s, h, d_k = q.shape
+    state = _initial(q, v, initial_state, acc)
+    if state is None:
+        state = torch.zeros(b, h, d_k, v.shape[-1], dtype=acc, device=q.device)
+    q_h, k_h, v_h = (_heads_first(x, acc) for x in (q, k, v))
+    beta_h, g_h = _heads_first(beta, acc), _heads_first(log_decay, acc)
+    outs = []
+    for t in range(s):
+        if g_h is not None:
+            state = g_h[:, :, t].exp().unsqueeze(-1) * state
+        k_t = k_h[:, :, t]
+        recalled = (k_t.unsqueeze(-1) * state).sum(dim=-2)  # S'ᵀ k  [B, H, d_v]
+        delta = beta_h[:, :, t] * (v_h[:, :, t] - recalled)
+        state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+        outs.append(scale * (q_h[:, :, t].unsqueeze(-1) * state).sum(dim=-2))
+    out = torch.stack(outs, dim=1) if outs else torch.zeros(b, 0, h, v.shape[-1], dtype=acc, device=q.device)
+    return out.to(q.dtype), state
+
+
+def _chunked(x: torch.Tensor, chunk: int, n_chunks: int) -> torch.Tensor:
+    """``[B, H, S, d]`` -> ``[B, H, N, C, d]``, zero-padded to N·C rows."""
+    pad = n_chunks * chunk - x.shape[2]
+    if pad:
+        x = torch.cat([x, x.new_zeros(*x.shape[:2], pad, x.shape[3])], dim=2)
+    return x.reshape(*x.shape[:2], n_chunks, chunk, x.shape[3])
+
+
+def delta_piece(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    log_decay: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    *,
+    scale: float = 1.0,
+) -> DeltaPiece:
+    """Prepare a piece: every state-independent chunk quantity (triangular solves included), batched over chunks.
+
+    Memory: the per-channel decay (KDA) builds a ``[B, H, N, C, C, d_k]`` tensor; pick a small chunk
+    (16-32) for long KDA pieces.
+    """
+    _check_qkv(q, k, v)
+    _check_gates(q, beta, log_decay)
+    _check_chunk_size(chunk_size)
+    acc = _acc_dtype(q.dtype)
+    s = q.shape[1]
+    c = chunk_size
+    n = max(1, -(-s // c))
+    q_c, k_c, v_c = (_chunked(_heads_first(x, acc), c, n) for x in (q, k, v))
+    q_c = q_c * scale
+    beta_c = _chunked(_heads_first(beta, acc), c, n)  # [B, H, N, C, 1]
+    strict = torch.ones(c, c, dtype=torch.bool, device=q.device).tril(-1)
+    inclusive = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    if log_decay is None:
+        cum = q_c.new_zeros(1, 1, 1, c, 1)
+        kk = k_c @ k_c.transpose(-1, -2)
+        qk = q_c @ k_c.transpose(-1, -2)
+    else:
+        cum = _chunked(_heads_first(log_decay, acc), c, n).cumsum(dim=3)  # [B, H, N, C, d_k|1]
+        diff = cum.unsqueeze(4) - cum.unsqueeze(3)  # [.., i, j, .] = G_i - G_j, <= 0 where i >= j
+        decay = diff.masked_fill(~inclusive.unsqueeze(-1), float("-inf")).exp()
+        if decay.shape[-1] == 1:
+            decay = decay.squeeze(-1)
+            kk = (k_c @ k_c.transpose(-1, -2)) * decay
+            qk = (q_c @ k_c.transpose(-1, -2)) * decay
+        else:
+            kk = torch.einsum("bhnik,bhnjk,bhnijk->bhnij", k_c, k_c, decay)
+            qk = torch.einsum("bhnik,bhnjk,bhnijk->bhnij", q_c, k_c, decay)
+    lower = kk.masked_fill(~strict, 0.0) * beta_c
+    eye = torch.eye(c, dtype=acc, device=q.device)
+    t_beta = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
+    t_beta = t_beta * beta_c.transpose(-1, -2)  # T diag(beta): scale the columns
+    last = cum[:, :, :, -1:]  # [B|1, H|1, N|1, 1, d_k|1]
+    return DeltaPiece(
+        length=s,
+        q_plus=q_c * cum.exp(),
+        a_qk=qk.masked_fill(~inclusive, 0.0),
+        w=t_beta @ (k_c * cum.exp()),
+        values=t_beta @ v_c,
+        k_end=k_c * (last - cum).exp(),
+        gamma=last.squeeze(3).exp().expand(*k_c.shape[:3], last.shape[-1]),
+    )
+
+
+def _sweep(
+    piece: DeltaPiece, values: torch.Tensor | None, state: torch.Tensor | None, outputs: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Run the chunks in order from ``state`` (None = zero) with new values ``values`` (None = V = 0).
+
+    Returns ``(out [B, S, H, w] or None, leaving state [B, H, d_k, w])``.
+    """
+    per_chunk = [x.unbind(dim=2) for x in (piece.q_plus, piece.a_qk, piece.w, piece.k_end, piece.gamma)]
+    vals = values.unbind(dim=2) if values is not None else [None] * len(per_chunk[0])
+    outs = []
+    for (q_plus, a_qk, w, k_end, gamma), val in zip(zip(*per_chunk, strict=True), vals, strict=True):
+        recalled = None if state is None else w @ state
+        u = val if recalled is None else (-recalled if val is None else val - recalled)
+        if outputs:
+            o = a_qk @ u
+            outs.append(o if state is None else o + q_plus @ state)
+        kv = k_end.transpose(-1, -2) @ u
+        state = kv if state is None else gamma.unsqueeze(-1) * state + kv
+    if not outputs:
+        return None, state
+    out = torch.stack(outs, dim=2).flatten(2, 3)[:, :, : piece.length]  # [B, H, S, w]
+    return out.transpose(1, 2), state
+
+
+def piece_outputs(piece: DeltaPiece, entering: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs ``[B, S, H, d_v]`` and leaving state ``[B, H, d_k, d_v]`` (acc dtype) from ``entering`` (None = 0)."""
+    if entering is not None:
+        b, h, _, _, d_k = piece.w.shape
+        _check_tensor(
+            "entering", entering, (b, h, d_k, piece.values.shape[-1]), piece.w.device, ref="the piece"
+        )
+        entering = entering.to(piece.w.dtype)
+    out, state = _sweep(piece, piece.values, entering)
+    return out, state
+
+
+def entering_state_output(piece: DeltaPiece, entering: torch.Tensor) -> torch.Tensor:
+    """The entering state's share of the outputs, ``out(E) - out(0)``, ``[B, S, H, d_v]`` (linear in E)."""
+    b, h, _, _, d_k = piece.w.shape
+    _check_tensor("entering", entering, (b, h, d_k, entering.shape[-1]), piece.w.device, ref="the piece")
+    out, _ = _sweep(piece, None, entering.to(piece.w.dtype))
+    return out
+
+
+def piece_transition(piece: DeltaPiece) -> tuple[torch.Tensor, torch.Tensor]:
+    """The piece's affine state map ``S_out = M S_in + N``: ``(M [B, H, d_k, d_k], N [B, H, d_k, d_v])``.
+
+    M is the ordered product of the chunk maps ``diag(gamma) - k_endᵀ W`` (computed batched over chunks,
+    then multiplied in sequence order); N is the leaving state of a zero-state sweep (no outputs).
+    """
+    d_k = piece.w.shape[-1]
+    eye = torch.eye(d_k, dtype=piece.w.dtype, device=piece.w.device)
+    maps = eye * piece.gamma.unsqueeze(-1) - piece.k_end.transpose(-1, -2) @ piece.w  # [B, H, N, d_k, d_k]
+    transition = None
+    for m in maps.unbind(dim=2):
+        transition = m if transition is None else m @ transition
+    _, offset = _sweep(piece, piece.values, None, outputs=False)
+    return transition, offset
+
+
+def chunk_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    log_decay: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    *,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over the whole sequence in chunk form (any S >= 0).
+
+    Returns ``(out [B, S, H, d_v] in q's dtype, final_state [B, H, d_k, d_v] in the acc dtype)``.
+    """
+    piece = delta_piece(q, k, v, beta, log_decay, chunk_size, scale=scale)
+    out, state = piece_outputs(piece, _initial(q, v, initial_state, _acc_dtype(q.dtype)))
+    return out.to(q.dtype), state

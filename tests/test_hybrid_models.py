@@ -1,0 +1,71 @@
+"""Hybrid HF models whose recurrent layers ds_seqpar routes (gated DeltaNet, KDA, Mamba2) equal the plain model.
+
+Tiny float32 models from ``benchmarks/tiny_configs.py`` (softmax layers through the ``"ds_seqpar"``
+attention, recurrent layers through the registry's adapters), 4 gloo ranks: one forward/backward over
+meshes and layouts (the SP ranks' gradients sum to the plain gradient; 62 tokens = end padding), and
+``ds_seqpar.initialize`` with ZeRO-3 for 5 SGD steps (losses and gathered gradients).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ds_seqpar
+from ds_seqpar.integrations.hf_model import UnsupportedModelError
+from ds_seqpar.integrations.linear_models import REGISTRY, adapter_for, route_linear_layers
+from tests.hf_models import HYBRID_MODELS, batches
+from tests.test_hf_integration import deepspeed_ab, sp_vs_reference
+
+CASES = [
+    ("qwen3_next", 2, "zigzag", 64),  # GDN, GVA (value heads > key heads)
+    ("qwen3_5", 1, "contiguous", 62),
+    ("kimi_linear", 2, "zigzag", 62),  # KDA: per-channel decay
+    ("nemotron_h", 1, "zigzag", 64),  # Mamba2 + MoE + attention + MLP-only layers
+    ("bamba", 2, "contiguous", 64),
+    ("granitemoehybrid", 2, "zigzag", 64),
+]
+
+
+@pytest.mark.parametrize(("kind", "u", "layout", "seq_len"), CASES)
+def test_forward_backward_equals_plain_model(dist_pool, kind, u, layout, seq_len):
+    batch = batches(1, 2, seq_len)[0]
+    for rep in dist_pool(4).run(sp_vs_reference, kind, u, layout, batch):
+        assert rep["finite"], rep
+        assert rep["loss_err"] <= 1e-5, rep
+        assert rep["grad_rel_err"] <= 1e-5, rep
+
+
+@pytest.mark.parametrize("kind", HYBRID_MODELS)
+def test_zero3_training_matches_plain_model(dist_pool, kind):
+    for rep in dist_pool(4).run(deepspeed_ab, kind, 4, 2, 3, 5, 64, 0.5):
+        assert max(rep["loss_errs"]) <= 1e-5, rep
+        assert rep["grad_err"] <= 1e-5, rep
+
+
+class TinyShortConv(torch.nn.Module):
+    """A recurrent layer kind no adapter covers (its name ends like LFM2's)."""
+
+
+class TinyRecurrence(torch.nn.Module):
+    def forward(self, x):
+        return x
+
+
+def test_registry_routes_by_class_and_refuses_the_rest_by_name():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), TinyShortConv())
+    with pytest.raises(
+        UnsupportedModelError, match=r"Sequential\.1 is a TinyShortConv.*register_recurrent_layer"
+    ):
+        route_linear_layers(model)
+    routed = lambda self, x: 2 * x  # noqa: E731 - a stand-in adapter
+    ds_seqpar.register_recurrent_layer(TinyRecurrence, routed)
+    try:
+        layer = TinyRecurrence()
+        assert adapter_for(layer) is routed
+        assert route_linear_layers(torch.nn.Sequential(layer)) == 1
+        assert layer(torch.ones(1)).item() == 2.0
+    finally:
+        del REGISTRY[TinyRecurrence]
+    with pytest.raises(TypeError, match=r"takes an nn\.Module subclass"):
+        ds_seqpar.register_recurrent_layer(object, routed)
