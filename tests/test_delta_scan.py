@@ -183,10 +183,19 @@ def run_conv_cases(cases: list[dict]) -> list[dict]:
         me = mesh.coords.sp_rank
         xl = layout.shard(x.detach(), me).clone().requires_grad_()
         wl, bl = w.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+        conv = (wl, bl)
+        if case.get("module"):  # the model's own nn.Conv1d, as the HF adapters pass it
+            conv = torch.nn.Conv1d(c, c, kernel, groups=c, padding=kernel - 1, dtype=torch.float64)
+            conv.weight, conv.bias = (
+                torch.nn.Parameter(wl.detach().unsqueeze(1)),
+                torch.nn.Parameter(bl.detach()),
+            )
         with mesh.comm_stats.measure() as fwd:
-            y = sharded_causal_conv1d(xl, wl, bl, mesh=mesh)
+            y = sharded_causal_conv1d(xl, conv, mesh=mesh)
         with mesh.comm_stats.measure() as bwd:
             y.backward(layout.shard(dy, me))
+        if case.get("module"):
+            wl.grad, bl.grad = conv.weight.grad.squeeze(1), conv.bias.grad
         results.append(
             {
                 "out": (y - layout.shard(ref.detach(), me)).abs().max().item(),
@@ -211,6 +220,7 @@ def test_conv_halo_matches_one_process(dist_pool):
         dict(u=2, layout="zigzag", kernel=3),
         dict(u=1, layout="stripe", granularity=1, kernel=4),  # the halo spans three other ranks
         dict(u=1, layout="contiguous", kernel=1),  # no halo at all
+        dict(u=1, layout="zigzag", kernel=4, module=True),
     ]
     for i, case in enumerate(cases):
         case.update(seq_len=8 * p, seed=i)

@@ -141,7 +141,7 @@ def _cases(p: int) -> list[dict]:
     ]
 
 
-@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("p", [2, 4, pytest.param(8, marks=pytest.mark.slow)])  # P = 8: slow suite
 def test_no_host_sync_after_the_plan_is_built(dist_pool, p):
     cases = _cases(p)
     results = dist_pool(p).run(run_sync_cases, cases)
@@ -205,7 +205,7 @@ def run_sparse_sync_cases(cases: list[dict]) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("p", [2, 4, pytest.param(8, marks=pytest.mark.slow)])  # P = 8: slow suite
 def test_sparse_step_loop_has_no_host_sync(dist_pool, p):
     s = 32 * p
     docs = [0, 7, s // 2 + 5, s - 3]

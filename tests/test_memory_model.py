@@ -102,7 +102,13 @@ def traced_step_vs_model(seq_lens: list[int], memory: dict) -> list[tuple[int, f
     return rows
 
 
-@pytest.mark.parametrize(("world", "seq_lens"), [(1, [2048, 4096, 8192]), (4, [4096, 8192, 16384])])
+@pytest.mark.parametrize(
+    ("world", "seq_lens"),
+    [
+        (1, [2048, 4096, 8192]),
+        pytest.param(4, [4096, 8192, 16384], marks=pytest.mark.slow),
+    ],  # 4 ranks: slow suite
+)
 def test_model_predicts_the_traced_peak_within_15_percent(dist_pool, world, seq_lens):
     """P = 1 and P = 4 (U 2 x R 2: ring buffers, the output in two layouts), all savings and none."""
     for memory in ({}, SAVINGS):

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ds_seqpar.ops import delta
 from ds_seqpar.ops.conv import causal_conv1d
 from ds_seqpar.ops.delta import (
     chunk_delta_rule,
@@ -71,7 +72,7 @@ def test_gradcheck_through_the_chunk_form(decay):
         out, state = chunk_delta_rule(q, k, v, beta, g, init, 3, scale=0.8)
         return out, state
 
-    assert torch.autograd.gradcheck(f, tuple(xs), eps=1e-6, atol=1e-8)
+    assert torch.autograd.gradcheck(f, tuple(xs), eps=1e-6, atol=1e-8, fast_mode=True)
 
 
 def test_gradients_equal_the_recurrence():
@@ -111,3 +112,79 @@ def test_causal_conv_with_history_equals_the_joined_sequence():
     assert (tail - whole[:, 12:]).abs().max() <= 1e-13
     with pytest.raises(ValueError, match=r"history must be \[B, K - 1, C\] = \(2, 3, 6\)"):
         causal_conv1d(x, w, bias, x[:, :2])
+
+
+@pytest.mark.parametrize("decay", ["gdn", "kda"])
+def test_strong_decay_is_finite_and_exact(decay):
+    """Log decays down to -60 per token: no exp overflow, no NaN gradients, still the recurrence."""
+    q, k, v, beta, g, init = _inputs(30, decay, seed=5, requires_grad=True)
+    strong = (g * 120).detach().requires_grad_()
+    ref, ref_state = delta_rule_reference(q, k, v, beta, strong, init)
+    out, state = chunk_delta_rule(q, k, v, beta, strong, init, 8)
+    assert (out - ref).abs().max() <= 1e-12 and (state - ref_state).abs().max() <= 1e-12
+    grads = torch.autograd.grad(out.sum() + state.sum(), [q, k, v, beta, strong, init])
+    assert all(torch.isfinite(x).all() for x in grads)
+
+
+# ---- the optional fused (flash-linear-attention) path: plumbing checked with stand-in kernels on CPU
+
+
+def _fake_fla(wrong: bool = False):
+    """A stand-in with fla's calling convention: (q, k, v, g, beta) as [B, S, H, ...], keyword scale / states."""
+    calls = []
+
+    def kernel(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=None,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=True,
+    ):
+        assert use_qk_l2norm_in_kernel is False  # ds_seqpar normalises q and k as the model does, not fla
+        calls.append(g.dim())
+        out, state = delta.piece_outputs(
+            delta._torch_piece(q, k, v, beta, g.to(q.dtype), 16, scale), initial_state
+        )
+        return (out * 0 if wrong else out.to(q.dtype)), state
+
+    return kernel, calls
+
+
+@pytest.mark.parametrize("decay", ["none", "gdn", "kda"])
+def test_fused_path_is_used_when_it_agrees(monkeypatch, decay):
+    kernel, calls = _fake_fla()
+    monkeypatch.setattr(delta, "FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(delta, "_fla_kernel", lambda kind: kernel)
+    monkeypatch.setattr(delta, "_FLA_CHECKED", {})
+    q, k, v, beta, g, init = _inputs(37, decay, seed=6)
+    monkeypatch.setenv("DS_SEQPAR_NO_FLA", "1")
+    ref_piece = delta_piece(q, k, v, beta, g, 8, scale=0.5)
+    assert not calls and not isinstance(ref_piece, delta.FusedDeltaPiece)  # off by the environment variable
+    monkeypatch.delenv("DS_SEQPAR_NO_FLA")
+    piece = delta_piece(q, k, v, beta, g, 8, scale=0.5)
+    assert isinstance(piece, delta.FusedDeltaPiece) and len(calls) == 1  # the one-time check
+    for got, ref in (
+        (piece_transition(piece), piece_transition(ref_piece)),
+        (piece_outputs(piece, init), piece_outputs(ref_piece, init)),
+        ((entering_state_output(piece, init),), (entering_state_output(ref_piece, init),)),
+    ):
+        assert all((a - b).abs().max() <= 1e-10 for a, b in zip(got, ref, strict=True))
+    assert len(calls) == 1 + 4  # M, N, the outputs, the correction
+
+
+def test_fused_path_that_disagrees_is_refused_with_a_warning(monkeypatch):
+    kernel, calls = _fake_fla(wrong=True)
+    monkeypatch.setattr(delta, "FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(delta, "_fla_kernel", lambda kind: kernel)
+    monkeypatch.setattr(delta, "_FLA_CHECKED", {})
+    q, k, v, beta, g, init = _inputs(20, "gdn", seed=7)
+    with pytest.warns(UserWarning, match="disagrees with ds_seqpar"):
+        out, _ = chunk_delta_rule(q, k, v, beta, g, init, 8)
+    ref, _ = delta_rule_reference(q, k, v, beta, g, init)
+    assert (out - ref).abs().max() <= 1e-12  # PyTorch result, not the stand-in's zeros
+    chunk_delta_rule(q, k, v, beta, g, init, 8)
+    assert len(calls) == 1  # checked once, then never called again

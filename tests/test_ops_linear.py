@@ -359,8 +359,8 @@ INVALID = {
         r"got an entry -inf",
     ),
     "gate_shape": (
-        lambda c: chunk_linear_attention(c.q, c.k, c.v, c.log_decay[..., 0]),
-        r"log_decay shape \(2, 7, 3\) must be \[H\] = \(3,\) .* or \[B, S, H, d_k\] = \(2, 7, 3, 4\)",
+        lambda c: chunk_linear_attention(c.q, c.k, c.v, c.log_decay[..., :2]),
+        r"log_decay shape \(2, 7, 3, 2\) must be \[H\] = \(3,\) .* or \[B, S, H, d_k\] = \(2, 7, 3, 4\)",
     ),
     "decay_device": (
         lambda c: local_scan(c.q, c.k, c.v, c.log_decay.to("meta")),

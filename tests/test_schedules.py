@@ -147,6 +147,11 @@ def _tasp_len(world: int, inner: int | None) -> int:
     return multiple * -(-32 // multiple)
 
 
+def _with_slow(worlds: set[int], slow: set[int]) -> list:
+    """The worlds in order; those in ``slow`` (the costliest, ~30 s each) run in the slow suite."""
+    return [pytest.param(w, marks=pytest.mark.slow) if w in slow else w for w in sorted(worlds)]
+
+
 @pytest.mark.parametrize("world", sorted({w for w, _ in STARTRAIL}))
 def test_startrail_matches_dense_reference(dist_pool, world):
     cases = []
@@ -159,7 +164,7 @@ def test_startrail_matches_dense_reference(dist_pool, world):
     _run(dist_pool(world), cases)
 
 
-@pytest.mark.parametrize("world", sorted({w for w, _ in GRIDS}))
+@pytest.mark.parametrize("world", _with_slow({w for w, _ in GRIDS}, {9}))
 def test_attention2d_matches_dense_reference(dist_pool, world):
     cases = []
     for w, grid in GRIDS:
@@ -168,7 +173,7 @@ def test_attention2d_matches_dense_reference(dist_pool, world):
     _run(dist_pool(world), cases)
 
 
-@pytest.mark.parametrize("world", sorted({w for w, _ in TASP}))
+@pytest.mark.parametrize("world", _with_slow({w for w, _ in TASP}, {7}))
 def test_tasp_matches_dense_reference(dist_pool, world):
     cases = []
     for w, inner in TASP:

@@ -236,7 +236,7 @@ def _ring_cases(p: int) -> list[dict]:
     return cases
 
 
-@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("p", [2, 4, pytest.param(8, marks=pytest.mark.slow)])  # P = 8: slow suite
 def test_sparse_ring_matches_reference(dist_pool, p):
     cases = _ring_cases(p)
     _check(cases, dist_pool(p).run(run_ring_cases, cases))
@@ -276,7 +276,7 @@ def _usp_cases(p: int) -> list[dict]:
     return cases
 
 
-@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("p", [2, 4, pytest.param(8, marks=pytest.mark.slow)])  # P = 8: slow suite
 def test_sparse_usp_matches_reference(dist_pool, p):
     cases = _usp_cases(p)
     results = dist_pool(p).run(run_usp_cases, cases)

@@ -60,8 +60,7 @@ def _conv(module: torch.nn.Module, ctx: Any, mixed: torch.Tensor) -> torch.Tenso
     from ds_seqpar.parallel.delta_scan import sharded_causal_conv1d
 
     act = _family(module).ACT2FN[module.activation]
-    conv = module.conv1d
-    return sharded_causal_conv1d(mixed, conv.weight.squeeze(1), conv.bias, mesh=ctx.mesh, activation=act)
+    return sharded_causal_conv1d(mixed, module.conv1d, mesh=ctx.mesh, activation=act)
 
 
 # -- MiniMax: Lightning attention ---------------------------------------------------------------

@@ -13,7 +13,7 @@ the weight's dtype, then the activation (if any), then the cast back to x's dtyp
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -44,3 +44,41 @@ def causal_conv1d(
     if activation is not None:
         y = activation(y)
     return y.transpose(1, 2).to(x.dtype)
+
+
+def causal_conv1d_runs(
+    x: torch.Tensor,
+    runs: Sequence[tuple[int, int]],
+    halo: torch.Tensor,
+    conv: torch.nn.Conv1d | tuple[torch.Tensor, torch.Tensor | None],
+    activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The causal conv of several runs of ``x [B, n, C]`` (row ranges ``runs``) in ONE conv call.
+
+    ``halo [B, len(runs) · (K - 1), C]``: the K - 1 inputs before each run. The runs are laid out as
+    ``[halo_0 | run_0 | halo_1 | run_1 | ...]``, so each output window sees only its own run and halo.
+    ``conv``: the model's depthwise ``nn.Conv1d`` (any zero padding p; called as a module, so hooks
+    such as ZeRO-3's parameter gathering run once per call on every rank, whatever its number of runs)
+    or ``(weight [C, K], bias)``. Returns ``[B, n, C]`` in x's dtype.
+    """
+    module = isinstance(conv, torch.nn.Conv1d)
+    weight = conv.weight if module else conv[0]
+    width = (conv.kernel_size[0] if module else weight.shape[-1]) - 1
+    parts, starts = [], []
+    for j, (a, e) in enumerate(runs):
+        parts += [halo[:, j * width : (j + 1) * width], x[:, a:e]]
+        starts.append(sum(p.shape[1] for p in parts[:-1]))  # where run j begins in the layout
+    if not parts:
+        return x.new_zeros(x.shape[0], 0, x.shape[2])
+    full = torch.cat(parts, dim=1).transpose(1, 2).to(weight.dtype)  # [B, C, L]
+    if module:
+        y, pad = conv(full), conv.padding[0]
+    else:
+        y, pad = F.conv1d(full, weight.unsqueeze(1), conv[1], groups=x.shape[2]), 0
+    if activation is not None:
+        y = activation(y)
+    # the window ending at layout index i is output i + pad - width
+    outs = [
+        y[..., s + pad - width : s + pad - width + (e - a)] for s, (a, e) in zip(starts, runs, strict=True)
+    ]
+    return torch.cat(outs, dim=-1).transpose(1, 2).to(x.dtype)

@@ -32,10 +32,23 @@ All-Scan split (issue 23): the layer is affine in the entering state, column by 
     out   = out(0) + out_E    (out_E: the sweep with V = 0 and S_0 = S_in, linear in S_in)
 ``piece_transition`` gives (M, N), ``piece_outputs`` the outputs and leaving state from any entering
 state, ``entering_state_output`` the correction alone. Backward: autograd through these torch ops.
+
+Fused CUDA path: when flash-linear-attention (``fla``) imports and the tensors are on CUDA,
+``delta_piece`` returns a ``FusedDeltaPiece`` and the three piece functions call fla's chunked kernels
+(``chunk_gated_delta_rule`` for no / per-head decay, ``chunk_kda`` for the per-channel decay) with an
+initial state: M is the final state of a run with V = 0 from S_0 = I, N of a run with V from 0, the
+outputs of a run from the entering state, the correction of a run with V = 0 from it. The first use per
+(kernel, dtype, device) compares fla with the PyTorch chunk form on a small input (outputs and final
+state, from a random initial state); on a mismatch or an error it warns once and stays on PyTorch.
+``DS_SEQPAR_NO_FLA=1`` turns the path off.
 """
 
 from __future__ import annotations
 
+import inspect
+import os
+import warnings
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -44,6 +57,7 @@ from ds_seqpar.ops.linear import _acc_dtype, _check_chunk_size, _check_qkv, _che
 
 __all__ = [
     "DeltaPiece",
+    "FusedDeltaPiece",
     "chunk_delta_rule",
     "delta_piece",
     "delta_rule_reference",
@@ -73,6 +87,18 @@ class DeltaPiece(NamedTuple):
     values: torch.Tensor
     k_end: torch.Tensor
     gamma: torch.Tensor
+
+
+class FusedDeltaPiece(NamedTuple):
+    """A piece for fla's kernels: the inputs as given (``[B, S, H, ...]``), the kernel and the scale."""
+
+    kernel: Callable
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    beta: torch.Tensor
+    log_decay: torch.Tensor
+    scale: float
 
 
 def _check_gates(q: torch.Tensor, beta: torch.Tensor, log_decay: torch.Tensor | None) -> None:
@@ -169,8 +195,9 @@ def delta_piece(
     chunk_size: int = 64,
     *,
     scale: float = 1.0,
-) -> DeltaPiece:
-    """Prepare a piece: every state-independent chunk quantity (triangular solves included), batched over chunks.
+) -> DeltaPiece | FusedDeltaPiece:
+    """Prepare a piece: every state-independent chunk quantity (triangular solves included), batched over chunks
+    (or, on CUDA with fla, a ``FusedDeltaPiece``).
 
     Memory: the per-channel decay (KDA) builds a ``[B, H, N, C, C, d_k]`` tensor; pick a small chunk
     (16-32) for long KDA pieces.
@@ -178,6 +205,13 @@ def delta_piece(
     _check_qkv(q, k, v)
     _check_gates(q, beta, log_decay)
     _check_chunk_size(chunk_size)
+    fused = _fused_piece(q, k, v, beta, log_decay, scale)
+    if fused is not None:
+        return fused
+    return _torch_piece(q, k, v, beta, log_decay, chunk_size, scale)
+
+
+def _torch_piece(q, k, v, beta, log_decay, chunk_size: int, scale: float) -> DeltaPiece:
     acc = _acc_dtype(q.dtype)
     s = q.shape[1]
     c = chunk_size
@@ -242,8 +276,12 @@ def _sweep(
     return out.transpose(1, 2), state
 
 
-def piece_outputs(piece: DeltaPiece, entering: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def piece_outputs(
+    piece: DeltaPiece | FusedDeltaPiece, entering: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs ``[B, S, H, d_v]`` and leaving state ``[B, H, d_k, d_v]`` (acc dtype) from ``entering`` (None = 0)."""
+    if isinstance(piece, FusedDeltaPiece):
+        return _fused_run(piece, piece.v, entering)
     if entering is not None:
         b, h, _, _, d_k = piece.w.shape
         _check_tensor(
@@ -254,20 +292,31 @@ def piece_outputs(piece: DeltaPiece, entering: torch.Tensor | None) -> tuple[tor
     return out, state
 
 
-def entering_state_output(piece: DeltaPiece, entering: torch.Tensor) -> torch.Tensor:
+def entering_state_output(piece: DeltaPiece | FusedDeltaPiece, entering: torch.Tensor) -> torch.Tensor:
     """The entering state's share of the outputs, ``out(E) - out(0)``, ``[B, S, H, d_v]`` (linear in E)."""
+    if isinstance(piece, FusedDeltaPiece):
+        return _fused_run(piece, torch.zeros_like(piece.v), entering)[0]
     b, h, _, _, d_k = piece.w.shape
     _check_tensor("entering", entering, (b, h, d_k, entering.shape[-1]), piece.w.device, ref="the piece")
     out, _ = _sweep(piece, None, entering.to(piece.w.dtype))
     return out
 
 
-def piece_transition(piece: DeltaPiece) -> tuple[torch.Tensor, torch.Tensor]:
+def piece_transition(piece: DeltaPiece | FusedDeltaPiece) -> tuple[torch.Tensor, torch.Tensor]:
     """The piece's affine state map ``S_out = M S_in + N``: ``(M [B, H, d_k, d_k], N [B, H, d_k, d_v])``.
 
     M is the ordered product of the chunk maps ``diag(gamma) - k_endᵀ W`` (computed batched over chunks,
     then multiplied in sequence order); N is the leaving state of a zero-state sweep (no outputs).
     """
+    if isinstance(piece, FusedDeltaPiece):
+        b, _, h, d_k = piece.k.shape
+        eye = (
+            torch.eye(d_k, dtype=_acc_dtype(piece.q.dtype), device=piece.k.device)
+            .expand(b, h, d_k, d_k)
+            .contiguous()
+        )
+        _, transition = _fused_run(piece, piece.k.new_zeros(*piece.k.shape), eye)
+        return transition, _fused_run(piece, piece.v, None)[1]
     d_k = piece.w.shape[-1]
     eye = torch.eye(d_k, dtype=piece.w.dtype, device=piece.w.device)
     maps = eye * piece.gamma.unsqueeze(-1) - piece.k_end.transpose(-1, -2) @ piece.w  # [B, H, N, d_k, d_k]
@@ -296,3 +345,88 @@ def chunk_delta_rule(
     piece = delta_piece(q, k, v, beta, log_decay, chunk_size, scale=scale)
     out, state = piece_outputs(piece, _initial(q, v, initial_state, _acc_dtype(q.dtype)))
     return out.to(q.dtype), state
+
+
+# ----------------------------------------------------------------------------------------------
+# optional fused path (flash-linear-attention on CUDA), verified on first use
+
+FUSED_DEVICES = ("cuda",)
+_FLA_CHECKED: dict[tuple[str, torch.dtype, str], bool] = {}
+
+
+def _fla_kernel(kind: str) -> Callable | None:
+    """fla's chunked kernel for ``kind`` (``gdn``: none / per-head decay; ``kda``: per-channel decay)."""
+    try:
+        if kind == "kda":
+            from fla.ops.kda import chunk_kda as kernel
+        else:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as kernel
+    except Exception:  # not installed, or no Triton / CUDA: stay on PyTorch
+        return None
+    return kernel
+
+
+def _fla_call(kernel: Callable, q, k, v, g, beta, scale: float, initial) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fla call on ``[B, S, H, d]`` tensors; ``(out, final state)``; q and k are used as given."""
+    kwargs = {"scale": scale, "initial_state": initial, "output_final_state": True}
+    params = inspect.signature(kernel).parameters
+    if "use_qk_l2norm_in_kernel" in params:
+        kwargs["use_qk_l2norm_in_kernel"] = False
+    if "head_first" in params:  # older fla: say the layout explicitly
+        kwargs["head_first"] = False
+    return kernel(q, k, v, g, beta, **kwargs)
+
+
+def _fused_run(piece: FusedDeltaPiece, v: torch.Tensor, initial: torch.Tensor | None):
+    """``(out [B, S, H, w], final [B, H, d_k, w])`` in the acc dtype of a fused piece run with values ``v``."""
+    acc = _acc_dtype(piece.q.dtype)
+    init = None if initial is None else initial.to(acc)  # fla keeps its states in float32
+    out, state = _fla_call(piece.kernel, piece.q, piece.k, v, piece.log_decay, piece.beta, piece.scale, init)
+    return out.to(acc), state.to(acc)
+
+
+def _fla_verified(kind: str, kernel: Callable, dtype: torch.dtype, device: torch.device) -> bool:
+    """Compare fla with the PyTorch chunk form once per (kind, dtype, device), with an initial state."""
+    key = (kind, dtype, str(device))
+    if key not in _FLA_CHECKED:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        b, s, h, d = 1, 71, 2, 16
+        q = torch.randn(b, s, h, d, generator=gen)
+        k = torch.nn.functional.normalize(torch.randn(b, s, h, d, generator=gen), dim=-1)
+        v = torch.randn(b, s, h, d, generator=gen)
+        beta = torch.rand(b, s, h, generator=gen)
+        g = -torch.rand(*((b, s, h, d) if kind == "kda" else (b, s, h)), generator=gen) * 0.2
+        init = torch.randn(b, h, d, d, generator=gen)
+        ref, ref_state = piece_outputs(_torch_piece(q, k, v, beta, g, 16, 0.25), init)  # never the fused path
+        try:
+            xs = [x.to(device, dtype) for x in (q, k, v)]
+            out, state = _fla_call(kernel, *xs, g.to(device), beta.to(device, dtype), 0.25, init.to(device))
+            tol = 1e-3 if dtype == torch.float32 else 5e-2
+            err = max(
+                float((out.float().cpu() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)),
+                float((state.float().cpu() - ref_state).abs().max() / ref_state.abs().max().clamp(min=1e-6)),
+            )
+            ok, why = err <= tol, f"relative error {err:.2e} > {tol:g}"
+        except Exception as exc:  # an incompatible fla API
+            ok, why = False, f"{type(exc).__name__}: {exc}"
+        if not ok:
+            warnings.warn(
+                f"flash-linear-attention {kind} kernel disagrees with ds_seqpar ({why}); using PyTorch",
+                stacklevel=2,
+            )
+        _FLA_CHECKED[key] = ok
+    return _FLA_CHECKED[key]
+
+
+def _fused_piece(q, k, v, beta, log_decay, scale: float) -> FusedDeltaPiece | None:
+    """A fused piece when fla is importable, the tensors are on a fused device and fla passed its check."""
+    if q.device.type not in FUSED_DEVICES or os.environ.get("DS_SEQPAR_NO_FLA") == "1" or q.shape[1] == 0:
+        return None
+    kind = "kda" if log_decay is not None and log_decay.dim() == 4 else "gdn"
+    kernel = _fla_kernel(kind)
+    if kernel is None or not _fla_verified(kind, kernel, q.dtype, q.device):
+        return None
+    g = log_decay if log_decay is not None else q.new_zeros(*q.shape[:3], dtype=torch.float32)
+    if g.dtype not in (torch.float32, torch.float64):  # a half-precision log decay loses the small decays
+        g = g.float()
+    return FusedDeltaPiece(kernel, q, k, v, beta, g, scale)

@@ -33,7 +33,7 @@ from ds_seqpar.comm.halo import HaloPlan, halo_exchange, halo_plan
 from ds_seqpar.comm.scan import MatrixMap, StateScan, chain_owners
 from ds_seqpar.layout import input_layout
 from ds_seqpar.mesh import SeqParMesh
-from ds_seqpar.ops.conv import causal_conv1d
+from ds_seqpar.ops.conv import causal_conv1d_runs
 from ds_seqpar.ops.delta import (
     _check_gates,
     delta_piece,
@@ -213,25 +213,21 @@ def conv_halo_plan(mesh: SeqParMesh, local_len: int, width: int) -> HaloPlan:
 
 def sharded_causal_conv1d(
     x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
+    conv: torch.nn.Conv1d | tuple[torch.Tensor, torch.Tensor | None],
     *,
     mesh: SeqParMesh,
     activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The causal depthwise conv1d of the whole sequence on this rank's rows ``x [B, n, C]`` -> ``[B, n, C]``.
 
-    ``weight [C, K]``. Sends each run's last K - 1 inputs to the rank whose next run starts after them
-    (``comm/halo.py``), then convolves every local run with its halo as history.
+    ``conv``: the model's depthwise ``nn.Conv1d`` (called as a module, so ZeRO-3 gathers its weight), or
+    ``(weight [C, K], bias)``. Sends each run's last K - 1 inputs to the rank whose next run starts after
+    them (``comm/halo.py``), then convolves every local run with its halo as history, in one conv call.
     """
     if x.dim() != 3:
         raise ValueError(f"sharded_causal_conv1d takes x [B, n, C], got shape {tuple(x.shape)}")
-    width = weight.shape[-1] - 1
+    width = (conv.kernel_size[0] if isinstance(conv, torch.nn.Conv1d) else conv[0].shape[-1]) - 1
     plan = conv_halo_plan(mesh, x.shape[1], width)
     sp = mesh.group("sp")
     halo = halo_exchange(x, plan, sp, mesh.members["sp"], mesh.coords.sp_rank, mesh.comm_stats)
-    outs = [
-        causal_conv1d(x[:, a:e], weight, bias, halo[:, j * width : (j + 1) * width], activation)
-        for j, (a, e) in enumerate(plan.runs)
-    ]
-    return torch.cat(outs, dim=1) if outs else x.new_zeros(x.shape[0], 0, x.shape[2])
+    return causal_conv1d_runs(x, plan.runs, halo, conv, activation)
