@@ -46,14 +46,20 @@ state, from a random initial state); on a mismatch or an error it warns once and
 from __future__ import annotations
 
 import inspect
-import os
-import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from ds_seqpar.ops.linear import _acc_dtype, _check_chunk_size, _check_qkv, _check_tensor
+from ds_seqpar.ops.linear import (
+    _acc_dtype,
+    _check_chunk_size,
+    _check_qkv,
+    _check_tensor,
+    _initial_state,
+    fla_check_once,
+    fla_enabled,
+)
 
 __all__ = [
     "DeltaPiece",
@@ -132,16 +138,6 @@ def _heads_first(x: torch.Tensor | None, acc: torch.dtype) -> torch.Tensor | Non
     return x.to(acc).transpose(1, 2)
 
 
-def _initial(
-    q: torch.Tensor, v: torch.Tensor, state: torch.Tensor | None, acc: torch.dtype
-) -> torch.Tensor | None:
-    if state is None:
-        return None
-    b, _, h, d_k = q.shape
-    _check_tensor("initial_state", state, (b, h, d_k, v.shape[-1]), q.device)
-    return state.to(acc)
-
-
 def delta_rule_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -160,7 +156,7 @@ def delta_rule_reference(
     _check_gates(q, beta, log_decay)
     acc = _acc_dtype(q.dtype)
     b, s, h, d_k = q.shape
-    state = _initial(q, v, initial_state, acc)
+    state = _initial_state(q, v, initial_state, acc)
     if state is None:
         state = torch.zeros(b, h, d_k, v.shape[-1], dtype=acc, device=q.device)
     q_h, k_h, v_h = (_heads_first(x, acc) for x in (q, k, v))
@@ -343,7 +339,7 @@ def chunk_delta_rule(
     Returns ``(out [B, S, H, d_v] in q's dtype, final_state [B, H, d_k, d_v] in the acc dtype)``.
     """
     piece = delta_piece(q, k, v, beta, log_decay, chunk_size, scale=scale)
-    out, state = piece_outputs(piece, _initial(q, v, initial_state, _acc_dtype(q.dtype)))
+    out, state = piece_outputs(piece, _initial_state(q, v, initial_state, _acc_dtype(q.dtype)))
     return out.to(q.dtype), state
 
 
@@ -387,8 +383,8 @@ def _fused_run(piece: FusedDeltaPiece, v: torch.Tensor, initial: torch.Tensor | 
 
 def _fla_verified(kind: str, kernel: Callable, dtype: torch.dtype, device: torch.device) -> bool:
     """Compare fla with the PyTorch chunk form once per (kind, dtype, device), with an initial state."""
-    key = (kind, dtype, str(device))
-    if key not in _FLA_CHECKED:
+
+    def compare() -> list[tuple[torch.Tensor, torch.Tensor]]:
         gen = torch.Generator(device="cpu").manual_seed(0)
         b, s, h, d = 1, 71, 2, 16
         q = torch.randn(b, s, h, d, generator=gen)
@@ -398,29 +394,16 @@ def _fla_verified(kind: str, kernel: Callable, dtype: torch.dtype, device: torch
         g = -torch.rand(*((b, s, h, d) if kind == "kda" else (b, s, h)), generator=gen) * 0.2
         init = torch.randn(b, h, d, d, generator=gen)
         ref, ref_state = piece_outputs(_torch_piece(q, k, v, beta, g, 16, 0.25), init)  # never the fused path
-        try:
-            xs = [x.to(device, dtype) for x in (q, k, v)]
-            out, state = _fla_call(kernel, *xs, g.to(device), beta.to(device, dtype), 0.25, init.to(device))
-            tol = 1e-3 if dtype == torch.float32 else 5e-2
-            err = max(
-                float((out.float().cpu() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)),
-                float((state.float().cpu() - ref_state).abs().max() / ref_state.abs().max().clamp(min=1e-6)),
-            )
-            ok, why = err <= tol, f"relative error {err:.2e} > {tol:g}"
-        except Exception as exc:  # an incompatible fla API
-            ok, why = False, f"{type(exc).__name__}: {exc}"
-        if not ok:
-            warnings.warn(
-                f"flash-linear-attention {kind} kernel disagrees with ds_seqpar ({why}); using PyTorch",
-                stacklevel=2,
-            )
-        _FLA_CHECKED[key] = ok
-    return _FLA_CHECKED[key]
+        xs = [x.to(device, dtype) for x in (q, k, v)]
+        out, state = _fla_call(kernel, *xs, g.to(device), beta.to(device, dtype), 0.25, init.to(device))
+        return [(out, ref), (state, ref_state)]
+
+    return fla_check_once(_FLA_CHECKED, (kind, dtype, str(device)), kind, compare)
 
 
 def _fused_piece(q, k, v, beta, log_decay, scale: float) -> FusedDeltaPiece | None:
     """A fused piece when fla is importable, the tensors are on a fused device and fla passed its check."""
-    if q.device.type not in FUSED_DEVICES or os.environ.get("DS_SEQPAR_NO_FLA") == "1" or q.shape[1] == 0:
+    if not fla_enabled(q, FUSED_DEVICES):
         return None
     kind = "kda" if log_decay is not None and log_decay.dim() == 4 else "gdn"
     kernel = _fla_kernel(kind)

@@ -309,24 +309,29 @@ def _fla_inputs(q: torch.Tensor, log_decay: torch.Tensor | None) -> tuple[str, t
     return "simple", log_decay.view(1, 1, -1).expand(q.shape[0], q.shape[1], -1)
 
 
-def _fla_verified(kind: str, kernel: Callable, dtype: torch.dtype, device: torch.device) -> bool:
-    """Compare fla with the PyTorch chunk form once per (kind, dtype, device)."""
-    key = (kind, dtype, str(device))
-    if key not in _FLA_CHECKED:
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        q, k, v = (torch.randn(1, 71, 2, 16, generator=gen).mul(0.5).to(device, dtype) for _ in range(3))
-        shape = (1, 71, 2, 16) if kind == "gla" else (2,)
-        log_decay = (-torch.rand(shape, generator=gen) * 0.2).to(device, torch.float32)
+def fla_enabled(q: torch.Tensor, devices: tuple[str, ...]) -> bool:
+    """Whether an fla path may serve ``q``: on one of ``devices``, ``DS_SEQPAR_NO_FLA`` unset, a non-empty piece."""
+    return q.device.type in devices and os.environ.get("DS_SEQPAR_NO_FLA") != "1" and q.shape[1] > 0
+
+
+def fla_check_once(
+    cache: dict, key: tuple, kind: str, compare: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]
+) -> bool:
+    """The first-use check of an fla kernel, cached under ``key`` = (kind, dtype, device).
+
+    ``compare()`` runs fla and the PyTorch form on a small input and returns ``(fla, pytorch)`` pairs;
+    the largest relative error must stay within 1e-3 (float32) or 5e-2 (half precision). On a mismatch
+    or an error (an incompatible fla API) it warns once and the key stays False: PyTorch serves it.
+    """
+    if key not in cache:
+        tol = 1e-3 if key[1] in (torch.float32, torch.float64) else 5e-2
         try:
-            out, state = _fla_call(kernel, q, k, v, _fla_inputs(q, log_decay)[1], 0.25)
-            ref, ref_state = chunk_linear_attention(q, k, v, log_decay, scale=0.25)
-            tol = 1e-3 if dtype == torch.float32 else 5e-2
             err = max(
-                float((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)),
                 float(
-                    (state.float() - ref_state.float()).abs().max()
-                    / ref_state.float().abs().max().clamp(min=1e-6)
-                ),
+                    (got.float().cpu() - ref.float().cpu()).abs().max()
+                    / ref.float().abs().max().clamp(min=1e-6)
+                )
+                for got, ref in compare()
             )
             ok, why = err <= tol, f"relative error {err:.2e} > {tol:g}"
         except Exception as exc:  # an incompatible fla API
@@ -334,17 +339,32 @@ def _fla_verified(kind: str, kernel: Callable, dtype: torch.dtype, device: torch
         if not ok:
             warnings.warn(
                 f"flash-linear-attention {kind} kernel disagrees with ds_seqpar ({why}); using PyTorch",
-                stacklevel=2,
+                stacklevel=3,
             )
-        _FLA_CHECKED[key] = ok
-    return _FLA_CHECKED[key]
+        cache[key] = ok
+    return cache[key]
+
+
+def _fla_verified(kind: str, kernel: Callable, dtype: torch.dtype, device: torch.device) -> bool:
+    """Compare fla with the PyTorch chunk form once per (kind, dtype, device)."""
+
+    def compare() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        q, k, v = (torch.randn(1, 71, 2, 16, generator=gen).mul(0.5).to(device, dtype) for _ in range(3))
+        shape = (1, 71, 2, 16) if kind == "gla" else (2,)
+        log_decay = (-torch.rand(shape, generator=gen) * 0.2).to(device, torch.float32)
+        out, state = _fla_call(kernel, q, k, v, _fla_inputs(q, log_decay)[1], 0.25)
+        ref, ref_state = chunk_linear_attention(q, k, v, log_decay, scale=0.25)
+        return [(out, ref), (state, ref_state)]
+
+    return fla_check_once(_FLA_CHECKED, (kind, dtype, str(device)), kind, compare)
 
 
 def _fused_piece(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(out, state)`` of a piece from a zero state via fla, or None when the fused path is unavailable."""
-    if q.device.type not in FUSED_DEVICES or os.environ.get("DS_SEQPAR_NO_FLA") == "1" or q.shape[1] == 0:
+    if not fla_enabled(q, FUSED_DEVICES):
         return None
     kind, g = _fla_inputs(q, log_decay)
     kernel = _fla_kernel(kind)
