@@ -72,3 +72,18 @@ def test_registry_routes_by_class_and_refuses_the_rest_by_name():
         del REGISTRY[TinyRecurrence]
     with pytest.raises(TypeError, match=r"takes an nn\.Module subclass"):
         ds_seqpar.register_recurrent_layer(object, routed)
+
+
+def test_the_registration_snippet_of_the_docs_runs():
+    """docs/delta.md's python block runs as written and registers its class."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "delta.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    scope: dict = {"__name__": "delta_doc"}
+    exec(compile(block, "docs/delta.md", "exec"), scope)
+    try:
+        assert adapter_for(scope["MyRecurrence"]()) is scope["my_forward"]
+    finally:
+        del REGISTRY[scope["MyRecurrence"]]
