@@ -28,6 +28,12 @@ the engine on CPU) so the script cannot rot; CI runs it.
 5. **P = N** (``parallel`` rows, under torchrun with N >= 2): USP and ring fwd+bwd time against the
    single-GPU time / N.
 
+6. **Recurrent kernels** (``recurrent`` rows): the local piece of linear attention (no decay, per-head,
+   per-token = Mamba2, gate) and of the delta rule (GDN, KDA; from an initial state) through
+   flash-linear-attention's kernels when fla is installed (``fused``: whether fla served it after its
+   first-use check), out, final state and the input gradients against the fp64 PyTorch chunk form.
+   Without fla (and in the dry run) the rows check the PyTorch path.
+
 Writes ``benchmarks/results/gpu_check.json`` and ``.md`` (``--out DIR`` elsewhere); finishes in a few
 minutes on one H200.
 """
@@ -305,6 +311,63 @@ def parallel_rows(
     return rows
 
 
+def _recurrent_case(family: str, kind: str, dtype: torch.dtype, device: str, size: tuple) -> dict:
+    """One recurrent piece in ``dtype`` on ``device`` vs the fp64 CPU chunk form: out, state and gradients."""
+    from ds_seqpar.ops import delta, linear
+
+    b, s, h, d = size
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(b, s, h, d, generator=gen) * 0.5
+    k = torch.nn.functional.normalize(torch.randn(b, s, h, d, generator=gen), dim=-1)
+    v = torch.randn(b, s, h, d, generator=gen)
+    beta = torch.rand(b, s, h, generator=gen)
+    shapes = {"head": (h,), "token": (b, s, h), "gdn": (b, s, h), "gate": (b, s, h, d), "kda": (b, s, h, d)}
+    g = -torch.rand(*shapes[kind], generator=gen) * 0.1 if kind in shapes else None
+    init = torch.randn(b, h, d, d, generator=gen) * 0.1
+    dout, dstate = torch.randn(b, s, h, d, generator=gen), torch.randn(b, h, d, d, generator=gen)
+
+    def run(dev: str, dt: torch.dtype) -> tuple[list[torch.Tensor], bool]:
+        xs = [x.to(dev, dt).requires_grad_() for x in (q, k, v)]
+        gate = None if g is None else g.to(dev, torch.float64 if dt == torch.float64 else torch.float32)
+        if family == "delta":
+            bt = beta.to(dev, dt).requires_grad_()
+            piece = delta.delta_piece(*xs, bt, gate, 64, scale=d**-0.5)
+            out, state = delta.piece_outputs(
+                piece, init.to(dev, torch.float64 if dt == torch.float64 else torch.float32)
+            )
+            fused, leaves = isinstance(piece, delta.FusedDeltaPiece), [*xs, bt]
+        else:
+            local = linear.local_scan(*xs, gate, 64, scale=d**-0.5)
+            out, state, fused, leaves = (
+                local.out,
+                local.state,
+                linear._fused_piece(*xs, gate, d**-0.5) is not None,
+                xs,
+            )
+        loss = (out.double() * dout.to(dev, torch.float64)).sum() + (
+            state.double() * dstate.to(dev, torch.float64)
+        ).sum()
+        grads = torch.autograd.grad(loss, leaves)
+        return [t.detach().double().cpu() for t in (out, state, *grads)], fused
+
+    got, fused = run(device, dtype)
+    ref, _ = run("cpu", torch.float64)
+    err = max(
+        float((a - r).abs().max() / r.abs().max().clamp(min=1e-12)) for a, r in zip(got, ref, strict=True)
+    )
+    tol = 2e-3 if dtype == torch.float32 else 3e-2
+    return {"family": family, "kind": kind, "dtype": str(dtype).replace("torch.", ""), "fused": fused,
+            "max_rel_err": err, "ok": err <= tol}  # fmt: skip
+
+
+def recurrent_rows(device: str) -> list[dict]:
+    """Linear attention and delta-rule pieces through fla (when installed) vs the fp64 chunk form."""
+    dtypes = (torch.float32, torch.bfloat16) if device == "cuda" else (torch.float32,)
+    size = (2, 1000, 4, 64) if device == "cuda" else (1, 70, 2, 8)
+    cases = [("linear", "none"), ("linear", "head"), ("linear", "token"), ("linear", "gate"), ("delta", "gdn"), ("delta", "kda")]  # fmt: skip
+    return [_recurrent_case(f, k, dt, device, size) for f, k in cases for dt in dtypes]
+
+
 def _markdown(result: dict) -> str:
     lines = [
         f"# GPU check ({result['device_name']})",
@@ -328,6 +391,13 @@ def _markdown(result: dict) -> str:
     lines += [
         f"| {r['case']} | {r['kernel']} | {r['dtype']} | {r['max_rel_err']:.2e} | {r['ok']} |"
         for r in result["engine_exact"]
+    ]
+    lines += ["", "## Recurrent pieces vs the fp64 chunk form (out, state, gradients)", ""]
+    lines += ["| family | decay | dtype | path | error | ok |", "|---|---|---|---|---|---|"]
+    lines += [
+        f"| {r['family']} | {r['kind']} | {r['dtype']} | {'fla' if r['fused'] else 'PyTorch'} | {r['max_rel_err']:.2e} "
+        f"| {r['ok']} |"
+        for r in result.get("recurrent", [])
     ]
     lines += [
         "",
@@ -384,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     result["sparse"] = sparse_rows(device)
     dtype = torch.bfloat16 if cuda else torch.float32
     result["engine_exact"] = engine_exact_rows(device, dtype) if dist.get_rank() == 0 or not cuda else []
+    result["recurrent"] = recurrent_rows(device) if dist.get_rank() == 0 or not cuda else []
     h, d = (32, 128) if cuda else (4, 16)
     seq_lens, reps = ([8192, 32768], 5) if cuda else ([256], 1)
     result["engine"] = (
@@ -398,10 +469,11 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "gpu_check.json").write_text(json.dumps(result, indent=1) + "\n")
         (out / "gpu_check.md").write_text(_markdown(result))
-        bad = [r for key in ("kernels", "sparse", "engine_exact") for r in result[key] if not r["ok"]]
+        checked = ("kernels", "sparse", "engine_exact", "recurrent")
+        bad = [r for key in checked for r in result[key] if not r["ok"]]
         print(_markdown(result))
         print(
-            f"gpu_check: {len(result['kernels']) + len(result['sparse']) + len(result['engine_exact'])} exactness "
+            f"gpu_check: {sum(len(result[key]) for key in checked)} exactness "
             f"cases, {len(bad)} over tolerance, {result['seconds']:.0f} s; wrote {out}"
         )
     if started_here:

@@ -203,4 +203,5 @@ def test_gpu_check_dry_run_runs_every_code_path(dist_pool, tmp_path):
     assert "| packed documents | sdpa | torch.float32 |" in text and "| sliding window |" in text
     if importlib.util.find_spec("triton") is not None:  # the Triton sparse kernel under its interpreter
         assert "| triton | window+docs+softcap | torch.float32 |" in text
+    assert "| delta | kda | float32 | PyTorch |" in text and "| linear | token | float32 | PyTorch |" in text
     assert "| False |" not in text

@@ -146,6 +146,8 @@ def _cases(p: int) -> list[dict]:
         cases.append(dict(u=u, decay="gate", blocks=2, layout=layout, mode=mode, chunk=4))
     for u in us:
         cases.append(dict(u=u, decay="token", blocks=2, layout="zigzag", mode="all_scan", chunk=4))
+    for layout in ("contiguous", "zigzag"):  # Mamba2's decay through the all-gather too
+        cases.append(dict(u=1, decay="token", blocks=1, layout=layout, mode="all_gather", chunk=3))
     for i, case in enumerate(cases):
         case.update(seq_len=6 * p * max(2, case["u"]), seed=i)
     return cases
