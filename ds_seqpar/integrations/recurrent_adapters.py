@@ -38,16 +38,21 @@ def _context(module: torch.nn.Module, kwargs: dict, cache: Any) -> Any:
     return ctx
 
 
-def _zero_padding(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-    """``x [B, n, C]`` with the rows of padding tokens (doc id < 0) zeroed, as HF's padding mask does."""
+def _real_tokens(ctx: Any, batch: int) -> torch.Tensor | None:
+    """``[B, n, 1]`` 1 for this rank's real tokens, 0 for padding (doc id < 0); None without doc ids."""
     if ctx.doc_ids is None:
-        return x
+        return None
     from ds_seqpar.layout import input_layout
 
-    b = x.shape[0]
-    real = ctx.doc_ids if ctx.doc_ids.dim() == 2 else ctx.doc_ids.expand(b, -1)
-    keep = input_layout(ctx.mesh).shard(real, ctx.mesh.coords.sp_rank, dim=1) >= 0
-    return (x * keep[:, :, None]).to(x.dtype)
+    real = ctx.doc_ids if ctx.doc_ids.dim() == 2 else ctx.doc_ids.expand(batch, -1)
+    return (input_layout(ctx.mesh).shard(real, ctx.mesh.coords.sp_rank, dim=1) >= 0)[:, :, None]
+
+
+def _zero_padding(keep: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``x [B, n, ...]`` with the rows of padding tokens zeroed, as HF's padding mask does."""
+    if keep is None:
+        return x
+    return (x * keep.view(*keep.shape[:2], *([1] * (x.dim() - 2)))).to(x.dtype)
 
 
 def _family(module: torch.nn.Module) -> Any:
@@ -82,9 +87,8 @@ def lightning_forward(
     b, n, _ = hidden_states.shape
     h, d = self.num_attention_heads, self.head_dim
     qkv = self.act_fn(self.qkv_proj(hidden_states)).reshape(b, n, h, 3 * d)
-    q, k, v = (
-        _zero_padding(ctx, x.reshape(b, n, h * d)).reshape(b, n, h, d) for x in torch.split(qkv, d, dim=3)
-    )
+    keep = _real_tokens(ctx, b)
+    q, k, v = (_zero_padding(keep, x) for x in torch.split(qkv, d, dim=3))
     out = linear_attention(q, k, v, mesh=ctx.mesh, log_decay=-self.slope_rate.view(h).to(q.dtype))
     out = self.norm(out.reshape(b, n, h * d))
     out = torch.sigmoid(self.output_gate(hidden_states)) * out
@@ -145,7 +149,7 @@ def qwen3_next_gdn_forward(
 ) -> torch.Tensor:
     """``Qwen3NextGatedDeltaNet.forward`` (interleaved qkvz / ba projections) with the sequence split."""
     ctx = _context(self, kwargs, cache)
-    hidden_states = _zero_padding(ctx, hidden_states)
+    hidden_states = _zero_padding(_real_tokens(ctx, hidden_states.shape[0]), hidden_states)
     q, k, v, z, b, a = self.fix_query_key_value_ordering(
         self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
     )
@@ -162,7 +166,7 @@ def qwen3_5_gdn_forward(
 ) -> torch.Tensor:
     """``Qwen3_5GatedDeltaNet.forward`` (separate qkv / z / b / a projections) with the sequence split."""
     ctx = _context(self, kwargs, cache)
-    hidden_states = _zero_padding(ctx, hidden_states)
+    hidden_states = _zero_padding(_real_tokens(ctx, hidden_states.shape[0]), hidden_states)
     bsz, n, _ = hidden_states.shape
     z = self.in_proj_z(hidden_states).reshape(bsz, n, -1, self.head_v_dim)
     return _gdn_tail(
@@ -184,7 +188,7 @@ def kda_forward(
 ) -> torch.Tensor:
     """``KimiLinearDeltaAttention.forward``: per-channel forget gate, delta rule, gated norm, output."""
     ctx = _context(self, kwargs, cache)
-    hidden_states = _zero_padding(ctx, hidden_states)
+    hidden_states = _zero_padding(_real_tokens(ctx, hidden_states.shape[0]), hidden_states)
     bsz, n, _ = hidden_states.shape
     shape = (bsz, n, -1, self.head_dim)
     mixed = torch.cat(
@@ -217,11 +221,12 @@ def mamba2_forward(
     ctx = _context(self, kwargs, cache)
     bsz, n, _ = hidden_states.shape
     dtype = hidden_states.dtype
-    hidden_states = _zero_padding(ctx, hidden_states)
+    keep = _real_tokens(ctx, bsz)
+    hidden_states = _zero_padding(keep, hidden_states)
     projected = self.in_proj(hidden_states)
     a_log = -torch.exp(self.A_log.float())
     gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-    xbc = _zero_padding(ctx, _conv(self, ctx, xbc))
+    xbc = _zero_padding(keep, _conv(self, ctx, xbc))
     groups, state = self.n_groups, self.ssm_state_size
     x, b_in, c_in = torch.split(xbc, [self.intermediate_size, groups * state, groups * state], dim=-1)
     limit = getattr(self, "time_step_limit", (0.0, float("inf")))

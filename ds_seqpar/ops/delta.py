@@ -70,6 +70,7 @@ __all__ = [
     "entering_state_output",
     "piece_outputs",
     "piece_transition",
+    "prepare_piece",
 ]
 
 
@@ -201,6 +202,12 @@ def delta_piece(
     _check_qkv(q, k, v)
     _check_gates(q, beta, log_decay)
     _check_chunk_size(chunk_size)
+    return prepare_piece(q, k, v, beta, log_decay, chunk_size, scale)
+
+
+def prepare_piece(q, k, v, beta, log_decay, chunk_size: int, scale: float) -> DeltaPiece | FusedDeltaPiece:
+    """:func:`delta_piece` without the input checks (the decay check is a host sync): for callers that
+    validated the whole input once, such as ``parallel/delta_scan.py`` for every piece of every pass."""
     fused = _fused_piece(q, k, v, beta, log_decay, scale)
     if fused is not None:
         return fused

@@ -23,46 +23,38 @@ and direction (independent of S and P); ``scan: all_gather`` receives the (M, N)
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ds_seqpar.comm.all_to_all import HeadPlan, head_to_seq
 from ds_seqpar.comm.halo import HaloPlan, halo_exchange, halo_plan
-from ds_seqpar.comm.scan import MatrixMap, StateScan, chain_owners
+from ds_seqpar.comm.scan import MatrixMap, chain_owners
 from ds_seqpar.layout import input_layout
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.conv import causal_conv1d_runs
 from ds_seqpar.ops.delta import (
     _check_gates,
-    delta_piece,
     entering_state_output,
     piece_outputs,
     piece_transition,
+    prepare_piece,
 )
-from ds_seqpar.parallel.linear_scan import check_heads, scan_plan, to_heads
+from ds_seqpar.parallel.linear_scan import ScanPlan, check_heads, scan_plan, to_heads
 
 
-@dataclass(frozen=True)
-class _Plan:
-    scan: StateScan
-    pieces: tuple[slice, ...]
-    chunk_size: int
-    scale: float
-
-
-def _piece(xs: tuple, rows: slice, plan: _Plan):
+def _piece(xs: tuple, rows: slice, plan: ScanPlan):
+    """The prepared piece ``rows`` of the (already validated) inputs."""
     q, k, v, beta, g = xs
-    return delta_piece(
+    return prepare_piece(
         q[:, rows], k[:, rows], v[:, rows], beta[:, rows], None if g is None else g[:, rows], plan.chunk_size,
-        scale=plan.scale,
+        plan.scale,
     )  # fmt: skip
 
 
 class _DeltaScan(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q, k, v, beta, log_decay, initial, plan: _Plan):
+    def forward(ctx: Any, q, k, v, beta, log_decay, initial, plan: ScanPlan):
         scan = plan.scan
         xs = (q, k, v, beta, log_decay)
         pieces = dict(zip(scan.mine, plan.pieces, strict=True))
@@ -85,7 +77,7 @@ class _DeltaScan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, dfinal: torch.Tensor):
-        plan: _Plan = ctx.plan
+        plan: ScanPlan = ctx.plan
         scan = plan.scan
         q, k, v, beta, log_decay, *entering_list = ctx.saved_tensors
         entering = dict(zip(scan.mine, entering_list, strict=True))
@@ -190,8 +182,7 @@ def delta_rule_attention(
         decay2 = rest[0] if log_decay.dim() == 4 else rest[0].squeeze(-1)
     start = sum(heads.q_counts[:me])
     init2 = None if initial_state is None else initial_state[:, start : start + heads.q_counts[me]]
-    ring = scan_plan(mesh, q2.shape[1], lin.chunk_size, lin.blocks, lin.scan, scale)
-    plan = _Plan(ring.scan, ring.pieces, lin.chunk_size, scale)
+    plan = scan_plan(mesh, q2.shape[1], lin.chunk_size, lin.blocks, lin.scan, scale)
     out, _ = _DeltaScan.apply(q2, k2, v2, beta2, decay2, init2, plan)
     (full,) = head_to_seq((out,), (heads.q_counts,), group, me, stats)
     return full

@@ -153,6 +153,8 @@ def to_heads(
     """Ulysses all-to-all of ``[B, n, H, d_i]`` tensors in ONE call (packed along the last axis in the
     widest of their dtypes, so an fp32 gate beside bf16 q/k/v keeps its precision) -> ``[B, U·n, h_u, d_i]``
     each, back in the parts' own dtypes."""
+    if len(heads.q_counts) == 1:  # U = 1: nothing moves, nothing to pack
+        return list(parts)
     widths = [x.shape[-1] for x in parts]
     wide = functools.reduce(torch.promote_types, [x.dtype for x in parts])
     packed = torch.cat([x.to(wide) for x in parts], dim=-1)
