@@ -1,6 +1,6 @@
 """A/B figures of docs/integration.md: ds_seqpar.initialize + ZeRO vs one process without SP.
 
-Runs ``tests/test_hf_integration.py::deepspeed_ab`` (5 SGD steps, lr 0.5, S = 64, float32 tiny models)
+Runs ``tests/helpers/hf_ab.py::deepspeed_ab`` (5 SGD steps, lr 0.5, S = 64, float32 tiny models)
 for every ``AB_CASES`` entry and the PEFT LoRA case on 4 gloo ranks, and writes the worst rank's
 relative errors to ``benchmarks/results/ab_hf_cpu.txt``::
 
@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from benchmarks.common import RESULTS
 
-HEADER = """# A/B of ds_seqpar.initialize + ZeRO against one process without SP (tests/test_hf_integration.py::deepspeed_ab),
+HEADER = """# A/B of ds_seqpar.initialize + ZeRO against one process without SP (tests/helpers/hf_ab.py::deepspeed_ab),
 # 4 gloo CPU ranks, float32, tiny random-init models, S=64, 5 SGD steps (lr 0.5), relative errors, worst rank.
 # Produced by `python -m benchmarks.ab_hf`.
 """
 
 
 def main() -> None:
-    from tests.harness import DistPool
-    from tests.test_hf_integration import AB_CASES, deepspeed_ab
+    from tests.helpers.harness import DistPool
+    from tests.helpers.hf_ab import AB_CASES, deepspeed_ab
 
     cases = [(*case, False) for case in AB_CASES] + [("llama", 4, 2, 3, True)]
     lines = []

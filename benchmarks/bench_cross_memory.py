@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from benchmarks.common import gather_floats, save_results, slowest_rank_median
 from ds_seqpar import SeqParMesh, SeqParSeq2SeqLM, shard_batch, shard_encoder_states
-from ds_seqpar.config import SequenceParallelConfig
 from ds_seqpar.memory.trace import LiveBytes
 
 WIDTH, HEADS, TOKENS, FRAMES = 256, 4, 512, 16384
@@ -81,8 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    mesh = SeqParMesh.build(world, 1, None)
-    mesh.config = SequenceParallelConfig(size=world, ulysses_degree=1).validate(None, world)
+    mesh = SeqParMesh.from_config({"size": world, "ulysses_degree": 1})
     depths = (2, 4) if args.quick else (2, 4, 8)
     reps = 1 if args.quick else 3
     rows = [measure(mesh, n, "rotate_q", r, reps) for n in depths for r in (False, True)]

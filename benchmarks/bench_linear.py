@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import gather_floats, save_results, slowest_rank_median
-from ds_seqpar import SeqParMesh, SequenceParallelConfig
+from ds_seqpar import SeqParMesh
 from ds_seqpar.parallel.delta_scan import delta_rule_attention
 from ds_seqpar.parallel.linear_scan import linear_attention
 
@@ -75,16 +75,18 @@ def main() -> None:
     world = dist.get_world_size()
     lengths = (2048, 8192) if args.quick else (8192, 65536)
     reps = args.reps or (1 if args.quick else 2)
-    mesh = SeqParMesh.build(world, 1)
+    base = SeqParMesh.build(world, 1)
     state_bytes = H * D * D * 4
     rows = []
     for mode in ("all_scan", "all_gather"):
         for seq_len in lengths:
-            mesh.config = SequenceParallelConfig(
-                size=world,
-                ulysses_degree=1,
-                ring={"layout": "contiguous"},
-                linear={"scan": mode, "blocks": 4},
+            mesh = base.with_section(
+                {
+                    "size": world,
+                    "ulysses_degree": 1,
+                    "ring": {"layout": "contiguous"},
+                    "linear": {"scan": mode, "blocks": 4},
+                }
             )
             res = measure(mesh, seq_len, reps, args.layer)
             rows.append(

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import ds_seqpar
 from benchmarks.common import save_results, slowest_rank_median
-from ds_seqpar import SeqParMesh, SequenceParallelConfig
+from ds_seqpar import SeqParMesh
 from ds_seqpar.layout import doc_ids_from_cu_seqlens
 from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward
 
@@ -72,8 +72,7 @@ def main() -> None:
     for name, cu in ROWS.items():
         cu = [min(c, args.seq_len) for c in cu]
         for u in [x for x in (world, 2, 1) if world % x == 0 and x <= h]:
-            mesh = SeqParMesh.build(world, u)
-            mesh.config = SequenceParallelConfig(size=world, ulysses_degree=u, ring={"layout": "zigzag"})
+            mesh = SeqParMesh.from_config({"size": world, "ulysses_degree": u, "ring": {"layout": "zigzag"}})
             t = measure_mesh(mesh, args.seq_len, h, d, cu, args.reps)
             rows.append({"row": name, "system": f"ds_seqpar U{u} x R{world // u}", "time_s": t})
         t = measure_reference(world, h, d, cu, args.reps)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from benchmarks.common import gather_floats, save_results, slowest_rank_median
 from ds_seqpar import SeqParMesh
-from ds_seqpar.layout import SeqLayout
+from ds_seqpar.layout import ring_layout
 from ds_seqpar.ops.masks import MaskSpec
 from ds_seqpar.parallel.ring import RingPlan, WorkCounter, build_schedule, ring_attention
 
@@ -33,7 +33,7 @@ VARIANTS = [  # (label, layout, schedule, inner size or None)
 def measure(
     mesh: SeqParMesh, layout: str, schedule: str, seq_len: int, h: int, h_kv: int, d: int, reps: int
 ) -> dict:
-    lay = SeqLayout(layout, mesh.ring_size)
+    lay = ring_layout(layout, mesh.ring_size)
     n = seq_len // mesh.ring_size
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, n, h, d, generator=g, requires_grad=True)

@@ -22,9 +22,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import gather_floats, save_results, slowest_rank_median
-from ds_seqpar import SeqParMesh
-from ds_seqpar.config import SequenceParallelConfig
-from ds_seqpar.layout import input_layout
+from ds_seqpar import SeqParMesh, input_layout
 from ds_seqpar.parallel.ring import WorkCounter
 from ds_seqpar.parallel.usp import attention
 
@@ -89,13 +87,8 @@ def main() -> None:
     for seq_len in seq_lens:
         for h_kv in (8, 2):
             for label, ring, inner in VARIANTS:
-                mesh = meshes[inner]
-                mesh.config = SequenceParallelConfig(
-                    size=world,
-                    ulysses_degree=1,
-                    ring={"layout": "zigzag", **ring},
-                    ranks_per_node=RANKS_PER_NODE,
-                ).validate(None, world)
+                section = {"size": world, "ulysses_degree": 1, "ring": {"layout": "zigzag", **ring}}
+                mesh = meshes[inner].with_section({**section, "ranks_per_node": RANKS_PER_NODE})
                 res = measure(mesh, seq_len, 8, h_kv, 64, reps)
                 rows.append(
                     {"schedule": label, "S": seq_len, "H": 8, "H_kv": h_kv, "D": 64, "P": world, **res}

@@ -31,7 +31,7 @@ import ds_seqpar
 from benchmarks.common import RESULTS, gather_floats, save_results, slowest_rank_median
 from ds_seqpar import SeqParMesh, SequenceParallelConfig
 from ds_seqpar.comm.all_to_all import HeadPlan
-from ds_seqpar.layout import SeqLayout
+from ds_seqpar.layout import ring_layout
 from ds_seqpar.ops.sparse import estimate_pattern
 from ds_seqpar.parallel.ring import WorkCounter
 from ds_seqpar.parallel.sparse_ring import balance_stats, budget_from_config, plan_balance
@@ -73,10 +73,10 @@ def rho_rows(pattern, seq_len: int) -> list[dict]:
             r = p // u
             heads = HeadPlan.build(H, H, u)
             runs = {
-                "none (contiguous)": ("none", SeqLayout("contiguous", r)),
-                "none (zigzag)": ("none", SeqLayout("zigzag", r)),
-                "stripe": ("stripe", SeqLayout("stripe", r, BLOCK)),
-                "dbsp": ("dbsp", SeqLayout("stripe", r, BLOCK)),
+                "none (contiguous)": ("none", ring_layout("contiguous", r)),
+                "none (zigzag)": ("none", ring_layout("zigzag", r)),
+                "stripe": ("stripe", ring_layout("stripe", r, BLOCK)),
+                "dbsp": ("dbsp", ring_layout("stripe", r, BLOCK)),
             }
             for name, (balancing, layout) in runs.items():
                 plan = plan_balance(pattern, layout, seq_len, H, heads, balancing)
@@ -141,8 +141,8 @@ def main() -> None:
     rho = []
     if rank0:
         pos = torch.arange(seq_len)
-        cfg = SequenceParallelConfig(size=1, attention="sparse_ring", sparse=SPARSE)
-        pattern = estimate_pattern(q, k, pos, pos, seq_len, budget_from_config(cfg.sparse))
+        sparse = SequenceParallelConfig(size=1, attention="sparse_ring", sparse=SPARSE).sparse
+        pattern = estimate_pattern(q, k, pos, pos, seq_len, budget_from_config(sparse))
         density = pattern.token_density()
         rho = rho_rows(pattern, seq_len)
         print(f"pattern: token density {density:.4f} (sparsity {1 - density:.1%})", flush=True)
@@ -153,13 +153,13 @@ def main() -> None:
     runs += [(f"sparse_ring {b}", "sparse_ring", b) for b in ("none", "stripe", "dbsp")]
     timed_rows = []
     u = 2 if world % 2 == 0 else 1
-    mesh = SeqParMesh.build(world, u)
+    base = SeqParMesh.build(world, u)
     for name, attention, balancing in runs:
         section = {"size": world, "ulysses_degree": u, "attention": attention}
         if balancing:
             section["sparse"] = {**SPARSE, "balancing": balancing}
             section["ring"] = {"layout": "zigzag"} if balancing == "none" else {}
-        mesh.config = SequenceParallelConfig(**section)
+        mesh = base.with_section(section)
         res = timed(mesh, q, k, v, dout, reps)
         timed_rows.append({"run": name, "UxR": f"{u}x{world // u}", **res})
         if rank0:

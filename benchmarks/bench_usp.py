@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import ds_seqpar
 from benchmarks.common import save_results, slowest_rank_median
-from ds_seqpar import SeqParMesh, SequenceParallelConfig
+from ds_seqpar import SeqParMesh
 
 
 def measure(mesh: SeqParMesh, seq_len: int, h: int, h_kv: int, d: int, reps: int) -> dict:
@@ -60,8 +60,7 @@ def main() -> None:
     reps = args.reps or (1 if args.quick else 2)
     rows = []
     for u in sorted((u for u in range(1, world + 1) if world % u == 0), reverse=True):
-        mesh = SeqParMesh.build(world, u)
-        mesh.config = SequenceParallelConfig(size=world, ulysses_degree=u, ring={"layout": "zigzag"})
+        mesh = SeqParMesh.from_config({"size": world, "ulysses_degree": u, "ring": {"layout": "zigzag"}})
         res = measure(mesh, seq_len, args.heads, args.kv_heads, 64, reps)
         rows.append({"UxR": f"{u}x{world // u}", "S": seq_len, "H": args.heads, "H_kv": args.kv_heads, **res})
         if dist.get_rank() == 0:

@@ -51,8 +51,8 @@ import torch
 import torch.distributed as dist
 
 from ds_seqpar.ops.attention import KERNELS, available_kernels, block_attn_backward, block_attn_forward
+from ds_seqpar.ops.attention.reference import dense_attention_reference
 from ds_seqpar.ops.masks import MaskSpec, token_mask
-from ds_seqpar.ops.reference import dense_attention_reference
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOL = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-3}
@@ -151,16 +151,16 @@ def _rel_errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
 
 def sparse_rows(device: str) -> list[dict]:
     """The ``triton`` sparse kernel on one (query shard, key shard) pair against the fp64 reference."""
-    from ds_seqpar.layout import SeqLayout, doc_ids_from_cu_seqlens
+    from ds_seqpar.layout import doc_ids_from_cu_seqlens, ring_layout
     from ds_seqpar.ops.sparse import VerticalSlashBudget, estimate_pattern, sparse_attention_reference
-    from ds_seqpar.ops.sparse_kernels import SPARSE_KERNELS
+    from ds_seqpar.ops.sparse.kernels import SPARSE_KERNELS
 
     kern = SPARSE_KERNELS["triton"]
     if kern.unavailable(torch.device(device), torch.float32) is not None:
         return [{"kernel": "triton", "case": "-", "dtype": "-", "max_rel_err": float("nan"), "ok": True,
                  "note": kern.unavailable(torch.device(device), torch.float32)}]  # fmt: skip
     s, h, h_kv, d = (4096, 8, 2, 128) if device == "cuda" else (128, 2, 1, 16)
-    layout = SeqLayout("zigzag", 2)
+    layout = ring_layout("zigzag", 2)
     g = torch.Generator().manual_seed(3)
     q, dout = (torch.randn(1, s, h, d, generator=g, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(1, s, h_kv, d, generator=g, dtype=torch.float64) for _ in range(2))
@@ -242,12 +242,10 @@ def _timed(step, reps: int, cuda: bool) -> float:
 
 
 def _mesh(u: int, layout: str = "zigzag"):
-    from ds_seqpar import SeqParMesh, SequenceParallelConfig
+    from ds_seqpar import SeqParMesh
 
     world = dist.get_world_size()
-    mesh = SeqParMesh.build(world, u)
-    mesh.config = SequenceParallelConfig(size=world, ulysses_degree=u, ring={"layout": layout})
-    return mesh
+    return SeqParMesh.from_config({"size": world, "ulysses_degree": u, "ring": {"layout": layout}})
 
 
 def engine_rows(
@@ -314,6 +312,8 @@ def parallel_rows(
 def _recurrent_case(family: str, kind: str, dtype: torch.dtype, device: str, size: tuple) -> dict:
     """One recurrent piece in ``dtype`` on ``device`` vs the fp64 CPU chunk form: out, state and gradients."""
     from ds_seqpar.ops import delta, linear
+    from ds_seqpar.ops.linear import chunk as linear_chunk
+    from ds_seqpar.ops.precision import accumulation_dtype
 
     b, s, h, d = size
     gen = torch.Generator().manual_seed(0)
@@ -328,20 +328,18 @@ def _recurrent_case(family: str, kind: str, dtype: torch.dtype, device: str, siz
 
     def run(dev: str, dt: torch.dtype) -> tuple[list[torch.Tensor], bool]:
         xs = [x.to(dev, dt).requires_grad_() for x in (q, k, v)]
-        gate = None if g is None else g.to(dev, torch.float64 if dt == torch.float64 else torch.float32)
+        gate = None if g is None else g.to(dev, accumulation_dtype(dt))
         if family == "delta":
             bt = beta.to(dev, dt).requires_grad_()
             piece = delta.delta_piece(*xs, bt, gate, 64, scale=d**-0.5)
-            out, state = delta.piece_outputs(
-                piece, init.to(dev, torch.float64 if dt == torch.float64 else torch.float32)
-            )
+            out, state = delta.piece_outputs(piece, init.to(dev, accumulation_dtype(dt)))
             fused, leaves = isinstance(piece, delta.FusedDeltaPiece), [*xs, bt]
         else:
             local = linear.local_scan(*xs, gate, 64, scale=d**-0.5)
             out, state, fused, leaves = (
                 local.out,
                 local.state,
-                linear._fused_piece(*xs, gate, d**-0.5) is not None,
+                linear_chunk._fused_piece(*xs, gate, d**-0.5) is not None,
                 xs,
             )
         loss = (out.double() * dout.to(dev, torch.float64)).sum() + (

@@ -45,13 +45,12 @@ _MESH: dict = {}
 
 
 def _mesh():
-    from ds_seqpar import SeqParMesh, SequenceParallelConfig
+    from ds_seqpar import SeqParMesh
 
     if "mesh" not in _MESH:
         world = dist.get_world_size()
-        mesh = SeqParMesh.build(world, ULYSSES)
-        mesh.config = SequenceParallelConfig(size=world, ulysses_degree=ULYSSES, ring={"layout": LAYOUT})
-        _MESH["mesh"] = mesh
+        section = {"size": world, "ulysses_degree": ULYSSES, "ring": {"layout": LAYOUT}}
+        _MESH["mesh"] = SeqParMesh.from_config(section)
     return _MESH["mesh"]
 
 
@@ -186,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from benchmarks.tiny_configs import CAUSAL_LM_TYPES
-    from tests.harness import DistPool
+    from tests.helpers.harness import DistPool
 
     types = args.types or CAUSAL_LM_TYPES
     os.environ.setdefault("OMP_NUM_THREADS", "1")

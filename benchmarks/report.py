@@ -279,9 +279,9 @@ SECTIONS = [
     ("packed_bf16", "Packed documents in bf16"),
     ("e2e", "Training step: ds_seqpar vs DeepSpeed ALST"),
     ("memory", "Memory: longest sequence per rank budget"),
-    ("sparse_cpu", "Sparse ring (issue 8 figures)"),
+    ("sparse_cpu", "Sparse ring"),
     ("sparse_cpu_rho", "Sparse ring: imbalance ratio per balancing"),
-    ("linear_cpu", "Linear attention All-Scan (issue 9 figures)"),
+    ("linear_cpu", "Linear attention All-Scan"),
 ]
 
 

@@ -15,6 +15,9 @@ Public API (more arrives with the attention, data and engine modules):
   attention (All-Scan over the ring) for linear and hybrid models; :func:`delta_rule_attention`: the
   gated delta rule (GDN, KDA) with matrix transitions; :func:`register_recurrent_layer`: route a
   new recurrent layer family (class -> forward).
+* :func:`register_schedule` / :func:`register_layout` / :func:`register_kernel` /
+  :func:`register_sparse_kernel`: plug a new ring schedule, token layout or block kernel into the
+  registries the config, the engine and the byte model read (docs/architecture.md).
 * :func:`initialize`: ``deepspeed.initialize`` with the section honoured (mesh, mpu, HF attention
   routing, SP loss, sharding DataLoader); :class:`SeqParCausalLM` (:class:`SeqParMaskedLM` for
   bidirectional encoders, :class:`SeqParSeq2SeqLM` with :func:`shard_encoder_states` for
@@ -26,29 +29,29 @@ Public API (more arrives with the attention, data and engine modules):
   category, docs/memory.md).
 """
 
+from ds_seqpar.comm.schedules import register_schedule
 from ds_seqpar.comm.stats import CommRegion, CommStats
 from ds_seqpar.comm.step_watch import StepFailed, StepWatch
 from ds_seqpar.config import SeqParConfigError, SequenceParallelConfig, load_config, parse_section
 from ds_seqpar.data import SeqParCollator, seqpar_dataloader, shard_batch
+from ds_seqpar.integrations.causal_lm import SeqParCausalLM, SeqParMaskedLM
 from ds_seqpar.integrations.deepspeed import initialize, install_deepspeed_guard, sequence_parallel_scope
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
-from ds_seqpar.integrations.linear_models import register_recurrent_layer
+from ds_seqpar.integrations.recurrent_layers import register_recurrent_layer
+from ds_seqpar.integrations.routing import disable_sequence_parallel, enable_sequence_parallel
 from ds_seqpar.integrations.seq2seq import SeqParSeq2SeqLM, shard_encoder_states
-from ds_seqpar.integrations.transformers import (
-    SeqParCausalLM,
-    SeqParMaskedLM,
-    disable_sequence_parallel,
-    enable_sequence_parallel,
-)
-from ds_seqpar.layout import LayoutError
+from ds_seqpar.layout import LayoutError, register_layout
 from ds_seqpar.loss import sp_causal_lm_loss
 from ds_seqpar.memory import MemoryEstimate, largest_seq_len, memory_estimate
 from ds_seqpar.mesh import DeepSpeedMPU, MeshCoords, MeshPlan, SeqParMesh, plan_mesh
+from ds_seqpar.ops.attention import register_kernel
+from ds_seqpar.ops.sparse import register_sparse_kernel
 from ds_seqpar.parallel.cross import cross_attention
 from ds_seqpar.parallel.delta_scan import delta_rule_attention
 from ds_seqpar.parallel.linear_scan import linear_attention
 from ds_seqpar.parallel.sparse_ring import SparseLayerStats, sparse_stats
-from ds_seqpar.parallel.usp import attention, input_layout
+from ds_seqpar.parallel.usp import attention
+from ds_seqpar.settings import SeqParSettings, input_layout
 
 install_deepspeed_guard()  # plain deepspeed.initialize refuses configs with a sequence_parallel section
 
@@ -68,6 +71,7 @@ __all__ = [
     "SeqParMaskedLM",
     "SeqParMesh",
     "SeqParSeq2SeqLM",
+    "SeqParSettings",
     "SeqParTrainer",
     "SequenceParallelConfig",
     "SparseLayerStats",
@@ -89,7 +93,11 @@ __all__ = [
     "memory_estimate",
     "parse_section",
     "plan_mesh",
+    "register_kernel",
+    "register_layout",
     "register_recurrent_layer",
+    "register_schedule",
+    "register_sparse_kernel",
     "seqpar_dataloader",
     "sequence_parallel_scope",
     "shard_batch",

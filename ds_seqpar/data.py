@@ -35,8 +35,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from ds_seqpar.layout import UspLayout, input_layout
+from ds_seqpar.layout import UspLayout
 from ds_seqpar.mesh import SeqParMesh
+from ds_seqpar.settings import input_layout
 
 IGNORE_INDEX = -100
 BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
@@ -107,31 +108,8 @@ def shard_batch(
             padding always masked out of the attention through ``doc_ids``).
     """
     masked = check_objective(objective) == "masked"
-    if "input_ids" not in batch:
-        raise ValueError(f"shard_batch needs 'input_ids' in the batch; got keys {sorted(batch)}")
-    unknown = sorted(k for k in batch if k not in BATCH_KEYS and k not in PACKED_BOUNDARY_KEYS)
-    if unknown:
-        raise ValueError(
-            f"shard_batch got batch keys {unknown} that sequence parallelism does not split or honour; valid: "
-            f"{', '.join(BATCH_KEYS)} (packed documents: position_ids restarting at 0); remove them from the "
-            "examples or the collator"
-        )
-    _check_packed_boundaries(batch)
-    ids = torch.as_tensor(batch["input_ids"])
-    if ids.dim() != 2:
-        raise ValueError(f"input_ids must be [B, S]; got shape {tuple(ids.shape)}")
+    ids, labels, positions, attn = _checked_inputs(batch, masked)
     b, s0 = ids.shape
-    if masked and batch.get("labels") is None:
-        raise ValueError(
-            "shard_batch(objective='masked') needs 'labels': the original ids at the masked positions and -100 "
-            "elsewhere (ds_seqpar.tasks.masking.mask_tokens builds them)"
-        )
-    labels = torch.as_tensor(batch["labels"]) if batch.get("labels") is not None else ids.clone()
-    positions = batch.get("position_ids")
-    attn = batch.get("attention_mask")
-    for name, t in (("labels", labels), ("position_ids", positions), ("attention_mask", attn)):
-        if t is not None and tuple(torch.as_tensor(t).shape) != (b, s0):
-            raise ValueError(f"{name} has shape {tuple(torch.as_tensor(t).shape)} but input_ids is {(b, s0)}")
     layout = layout or input_layout(mesh)
     mult = layout.multiple
     seq_len = max(mult, -(-s0 // mult) * mult)
@@ -147,16 +125,7 @@ def shard_batch(
     if positions is None:
         positions = torch.arange(s0).expand(b, s0)
     positions = torch.as_tensor(positions).long()
-    doc_ids = None
-    padded_inside = attn is not None and not bool(attn.all())
-    padded_end = masked and seq_len > s0  # a bidirectional attention would see the end padding
-    if packed or padded_inside or padded_end:
-        doc_ids = doc_ids_from_positions(positions) if packed else torch.zeros(b, s0, dtype=torch.long)
-        if padded_inside:
-            doc_ids = doc_ids.masked_fill(~attn, -1)
-        doc_ids = _pad_right(doc_ids, seq_len, -1)
-        if packed and int(doc_ids.max()) == 0 and not padded_inside and not padded_end:
-            doc_ids = None  # one document per row: the plain causal mask is exact
+    doc_ids = _doc_ids(positions, attn, packed, padded_end=masked and seq_len > s0, seq_len=seq_len)
     rank = mesh.coords.sp_rank
     return {
         "input_ids": layout.shard(_pad_right(ids, seq_len, pad_token_id), rank),
@@ -167,6 +136,55 @@ def shard_batch(
         "doc_ids": doc_ids,
         "seq_len": seq_len,
     }
+
+
+def _checked_inputs(batch: dict[str, Any], masked: bool) -> tuple[torch.Tensor, torch.Tensor, Any, Any]:
+    """``(input_ids, labels, position_ids, attention_mask)`` of a batch, every key and shape checked."""
+    if "input_ids" not in batch:
+        raise ValueError(f"shard_batch needs 'input_ids' in the batch; got keys {sorted(batch)}")
+    unknown = sorted(k for k in batch if k not in BATCH_KEYS and k not in PACKED_BOUNDARY_KEYS)
+    if unknown:
+        raise ValueError(
+            f"shard_batch got batch keys {unknown} that sequence parallelism does not split or honour; valid: "
+            f"{', '.join(BATCH_KEYS)} (packed documents: position_ids restarting at 0); remove them from the "
+            "examples or the collator"
+        )
+    _check_packed_boundaries(batch)
+    ids = torch.as_tensor(batch["input_ids"])
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, S]; got shape {tuple(ids.shape)}")
+    if masked and batch.get("labels") is None:
+        raise ValueError(
+            "shard_batch(objective='masked') needs 'labels': the original ids at the masked positions and -100 "
+            "elsewhere (ds_seqpar.tasks.masking.mask_tokens builds them)"
+        )
+    labels = torch.as_tensor(batch["labels"]) if batch.get("labels") is not None else ids.clone()
+    positions, attn = batch.get("position_ids"), batch.get("attention_mask")
+    for name, t in (("labels", labels), ("position_ids", positions), ("attention_mask", attn)):
+        if t is not None and tuple(torch.as_tensor(t).shape) != tuple(ids.shape):
+            raise ValueError(
+                f"{name} has shape {tuple(torch.as_tensor(t).shape)} but input_ids is {tuple(ids.shape)}"
+            )
+    return ids, labels, positions, attn
+
+
+def _doc_ids(
+    positions: torch.Tensor, attn: torch.Tensor | None, packed: bool, padded_end: bool, seq_len: int
+) -> torch.Tensor | None:
+    """Document id per token ``[B, S]`` (padded to ``seq_len`` with -1), or None when one document per row
+    under the plain causal mask is exact (no packing, no padding inside, no end padding a bidirectional
+    attention would see)."""
+    b, s0 = positions.shape
+    padded_inside = attn is not None and not bool(attn.all())
+    if not (packed or padded_inside or padded_end):
+        return None
+    doc_ids = doc_ids_from_positions(positions) if packed else torch.zeros(b, s0, dtype=torch.long)
+    if padded_inside:
+        doc_ids = doc_ids.masked_fill(~attn, -1)
+    doc_ids = _pad_right(doc_ids, seq_len, -1)
+    if packed and int(doc_ids.max()) == 0 and not padded_inside and not padded_end:
+        return None  # one document per row: the plain causal mask is exact
+    return doc_ids
 
 
 def _check_packed_boundaries(batch: dict[str, Any]) -> None:

@@ -23,18 +23,28 @@ group           members                                          used for
 Nothing here is module-level state: a ``SeqParMesh`` is built once and passed explicitly.
 ``plan_mesh`` computes the member lists without torch.distributed, so it can be checked anywhere;
 ``plan_from_config`` does the same for a ``sequence_parallel`` section (``python -m ds_seqpar.report``).
+
+A mesh holds its settings (``mesh.settings``: the frozen ``SeqParSettings``, every ``"auto"`` resolved);
+they never change. ``mesh.with_section(section)`` gives a mesh with other settings on the same process
+groups (same sizes), which is how one set of groups serves many configurations (tests, benchmarks).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
 from ds_seqpar.comm.stats import CommStats
-from ds_seqpar.config import SeqParConfigError, SequenceParallelConfig, divisors
+from ds_seqpar.config import SequenceParallelConfig, parse_section
+from ds_seqpar.settings import (
+    SeqParSettings,
+    check_inner_divides,
+    check_size_divides,
+    check_ulysses_divides,
+    resolve_settings,
+)
 
 GROUP_KINDS = ("sp", "ulysses", "ring", "ring_inner", "ring_outer", "dp", "sp_dp")
 
@@ -62,20 +72,9 @@ class MeshPlan:
     ring_inner_size: int
 
     def __post_init__(self) -> None:
-        w, p, u, ri = self.world_size, self.sp_size, self.ulysses_size, self.ring_inner_size
-        if p < 1 or w % p != 0:
-            raise SeqParConfigError(
-                f"sequence_parallel.size={p} does not divide the world size {w}; valid: {_choices(divisors(w))}"
-            )
-        if u < 1 or p % u != 0:
-            raise SeqParConfigError(
-                f"sequence_parallel.ulysses_degree={u} does not divide size={p}; valid: {_choices(divisors(p))}"
-            )
-        if ri < 1 or (p // u) % ri != 0:
-            raise SeqParConfigError(
-                f"sequence_parallel.ring.inner_size={ri} does not divide the ring degree R={p // u}; "
-                f"valid: {_choices(divisors(p // u))}"
-            )
+        check_size_divides(self.sp_size, self.world_size)
+        check_ulysses_divides(self.sp_size, self.ulysses_size)
+        check_inner_divides(self.ring_inner_size, self.sp_size, self.ulysses_size)
 
     @property
     def dp_size(self) -> int:
@@ -133,10 +132,6 @@ class MeshPlan:
         raise ValueError(f"unknown group kind {kind!r}; valid: {', '.join(GROUP_KINDS)}")
 
 
-def _choices(values: list[int]) -> str:
-    return ", ".join(str(v) for v in values)
-
-
 def plan_mesh(
     world_size: int, sp_size: int, ulysses_size: int = 1, ring_inner_size: int | None = None
 ) -> MeshPlan:
@@ -145,44 +140,65 @@ def plan_mesh(
     return MeshPlan(world_size, sp_size, ulysses_size, ring_inner_size or ring)
 
 
-def _mesh_sizes(resolved: SequenceParallelConfig) -> tuple[int, int, int | None]:
-    """``(sp_size, ulysses_size, ring_inner_size)`` of a validated section (1, 1, None when disabled)."""
-    if not resolved.enabled:
+def _mesh_sizes(settings: SeqParSettings) -> tuple[int, int, int | None]:
+    """``(sp_size, ulysses_size, ring_inner_size)`` of resolved settings (1, 1, None when disabled)."""
+    if not settings.enabled:
         return 1, 1, None
-    return resolved.size, resolved.resolved_ulysses_degree, resolved.ring.inner_size
+    return settings.size, settings.ulysses_degree, settings.ring.inner_size
+
+
+def _sizes_section(sp_size: int, ulysses_size: int, ring_inner_size: int | None) -> SequenceParallelConfig:
+    """The default section of a mesh of these sizes (what ``SeqParMesh.build`` follows)."""
+    ring = {} if ring_inner_size is None else {"inner_size": ring_inner_size}
+    return SequenceParallelConfig(size=sp_size, ulysses_degree=ulysses_size, ring=ring)
 
 
 def plan_from_config(
     config: SequenceParallelConfig, world_size: int, model_config: Any = None
-) -> tuple[SequenceParallelConfig, MeshPlan]:
-    """The resolved section and the plan of the mesh :meth:`SeqParMesh.from_config` builds on
+) -> tuple[SeqParSettings, MeshPlan]:
+    """The resolved settings and the plan of the mesh :meth:`SeqParMesh.from_config` builds on
     ``world_size`` ranks (U resolved against ``model_config``), without torch.distributed."""
-    resolved = config.validate(model_config, world_size)
-    return resolved, plan_mesh(world_size, *_mesh_sizes(resolved))
+    settings = config.validate(model_config, world_size)
+    return settings, plan_mesh(world_size, *_mesh_sizes(settings))
+
+
+@dataclass
+class MeshGroups:
+    """The process groups of a mesh: this rank's group of every kind, their members, and the ring subgroups
+    made on demand (StarTrail teams, ATTENTION2D rows and columns). Shared by meshes of the same sizes."""
+
+    process_groups: dict[str, Any]
+    members: dict[str, list[int]]
+    subgroups: dict[str, tuple[Any, list[int], int]] = field(default_factory=dict)
 
 
 @dataclass
 class SeqParMesh:
-    """The live mesh: this rank's coordinates, process groups and a communication counter.
+    """The live mesh: this rank's coordinates, process groups, settings and a communication counter.
 
-    Build it after ``torch.distributed`` is initialised, with :meth:`build` or :meth:`from_config`.
-    Every rank of the world must build the same mesh (group creation is collective).
+    Build it after ``torch.distributed`` is initialised, with :meth:`build` or :meth:`from_config`
+    (every rank of the world must build the same mesh: group creation is collective), or from another
+    mesh of the same sizes with :meth:`with_section` (no collective).
 
-    ``config`` is the resolved ``sequence_parallel`` section the attention entry point follows
-    (``build`` fills in defaults: USP, zigzag, p2p ring with overlap, kernel auto). ``resources``
-    holds per-mesh reusable communication objects (ring schedules and their receive buffers).
+    ``settings`` are the frozen ``SeqParSettings`` the attention, layouts and scans follow. ``resources``
+    holds per-mesh reusable objects (ring schedules with their receive buffers, sparse statistics).
     """
 
     plan: MeshPlan
     coords: MeshCoords
-    process_groups: dict[str, Any]
-    members: dict[str, list[int]]
-    config: SequenceParallelConfig | None = None
+    groups: MeshGroups
+    settings: SeqParSettings
     comm_stats: CommStats = field(default_factory=CommStats)
-    # per-mesh reusable communication objects (e.g. ring schedules with their receive buffers)
     resources: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        s, p = self.settings, self.plan
+        if (s.size, s.ulysses_degree, s.ring_inner_size) != (p.sp_size, p.ulysses_size, p.ring_inner_size):
+            raise ValueError(
+                f"settings of size={s.size}, ulysses_degree={s.ulysses_degree}, ring.inner_size={s.ring.inner_size} "
+                f"do not match this mesh (sp {p.sp_size}, ulysses {p.ulysses_size}, ring_inner {p.ring_inner_size}); "
+                "build a mesh of those sizes (SeqParMesh.from_config)"
+            )
         self.comm_stats.rank, self.comm_stats.node_of = self.coords.rank, self.node_of  # link classes
 
     @classmethod
@@ -195,7 +211,8 @@ class SeqParMesh:
         world_size: int | None = None,
         rank: int | None = None,
     ) -> SeqParMesh:
-        """Create every process group; collective over the default group."""
+        """Create every process group (collective over the default group); the settings are the defaults
+        of a section with these sizes (USP, zigzag, p2p ring with overlap, kernel auto)."""
         if not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised; call deepspeed.init_distributed() (or "
@@ -204,43 +221,49 @@ class SeqParMesh:
         world_size = dist.get_world_size() if world_size is None else world_size
         rank = dist.get_rank() if rank is None else rank
         plan = plan_mesh(world_size, sp_size, ulysses_size, ring_inner_size)
-        process_groups: dict[str, Any] = {}
-        members: dict[str, list[int]] = {}
-        for kind in GROUP_KINDS:
-            for ranks in plan.groups(kind):
-                # new_group is collective over the world: every rank creates every group in order.
-                group = dist.group.WORLD if kind == "sp_dp" else dist.new_group(ranks)
-                if rank in ranks:
-                    process_groups[kind] = group
-                    members[kind] = ranks
-        config = SequenceParallelConfig(
-            size=sp_size,
-            ulysses_degree=ulysses_size,
-            ring={"inner_size": None if plan.ring_inner_size == plan.ring_size else plan.ring_inner_size},
-        )
-        return cls(plan, plan.coords(rank), process_groups, members, config)
+        inner = None if plan.ring_inner_size == plan.ring_size else plan.ring_inner_size
+        settings = resolve_settings(_sizes_section(sp_size, ulysses_size, inner), None, world_size)
+        return cls(plan, plan.coords(rank), _create_groups(plan, rank), settings)
 
     @classmethod
-    def from_config(cls, config: SequenceParallelConfig, model_config: Any = None) -> SeqParMesh:
-        """Build the mesh described by a validated config (U resolved against ``model_config``)."""
+    def from_config(
+        cls, config: SequenceParallelConfig | dict[str, Any], model_config: Any = None
+    ) -> SeqParMesh:
+        """Build the mesh a ``sequence_parallel`` section describes (a validated section or its dict; U
+        resolved against ``model_config``); every check runs before the first group is created."""
+        section = parse_section(config) if isinstance(config, dict) else config
         world = dist.get_world_size() if dist.is_initialized() else None
-        resolved = config.validate(model_config, world)
-        mesh = cls.build(*_mesh_sizes(resolved))
-        if resolved.enabled:
-            mesh.config = resolved
-        return mesh
+        settings = section.validate(model_config, world)
+        mesh = cls.build(*_mesh_sizes(settings))
+        return mesh.with_settings(settings) if settings.enabled else mesh
+
+    def with_section(
+        self, section: SequenceParallelConfig | dict[str, Any], model_config: Any = None
+    ) -> SeqParMesh:
+        """A mesh on these process groups that follows ``section`` (its sizes must be this mesh's); no
+        collective, a fresh ``comm_stats`` and fresh per-mesh resources."""
+        section = parse_section(section, self.plan.world_size) if isinstance(section, dict) else section
+        return self.with_settings(section.validate(model_config, self.plan.world_size))
+
+    def with_settings(self, settings: SeqParSettings) -> SeqParMesh:
+        """A mesh on these process groups that follows resolved ``settings`` (of this mesh's sizes)."""
+        return SeqParMesh(self.plan, self.coords, self.groups, settings)
+
+    def schedule(self) -> Any:
+        """The ring schedule of the settings, built once per mesh (it owns its receive buffers)."""
+        spec, params = self.settings.schedule, self.settings.ring_params()
+        key = ("ring_schedule", *spec.cache_key(params))
+        if key not in self.resources:
+            self.resources[key] = spec.build(self, params)
+        return self.resources[key]
 
     @property
-    def settings(self) -> SequenceParallelConfig:
-        """The ``sequence_parallel`` section this mesh follows: the one source of every default
-        (``build`` fills in the config class's defaults; ``from_config`` the resolved section)."""
-        if self.config is None:
-            raise ValueError(
-                "mesh.config is None: the attention, layouts and scans read every setting from the mesh's "
-                "sequence_parallel section; build the mesh with SeqParMesh.build / from_config (which set it) or "
-                "assign a SequenceParallelConfig to mesh.config"
-            )
-        return self.config
+    def process_groups(self) -> dict[str, Any]:
+        return self.groups.process_groups
+
+    @property
+    def members(self) -> dict[str, list[int]]:
+        return self.groups.members
 
     # sizes ---------------------------------------------------------------------------------
     @property
@@ -277,9 +300,9 @@ class SeqParMesh:
         """The process group of the part of ``parts`` (lists of ring ranks partitioning the ring) that holds
         this rank: ``(group, global member ranks in part order, this rank's index)``. Collective the first
         time a name is asked for: every rank creates the groups of every ring (all dp and Ulysses indices)
-        in the same order; cached in ``resources`` (StarTrail teams, ATTENTION2D rows and columns)."""
-        key = f"ring_subgroup:{name}"
-        if key not in self.resources:
+        in the same order; cached with the mesh's groups (StarTrail teams, ATTENTION2D rows and columns)."""
+        cache = self.groups.subgroups
+        if name not in cache:
             p, mine = self.plan, None
             for d in range(p.dp_size):
                 for x in range(p.ulysses_size):
@@ -290,17 +313,13 @@ class SeqParMesh:
                             mine = (group, ranks, ranks.index(self.coords.rank))
             if mine is None:
                 raise ValueError(f"ring subgroup {name!r}: no part holds ring rank {self.coords.ring_rank}")
-            self.resources[key] = mine
-        return self.resources[key]
+            cache[name] = mine
+        return cache[name]
 
     @property
     def ranks_per_node(self) -> int:
-        """Ranks per node (``sequence_parallel.ranks_per_node``; "auto": the launcher's LOCAL_WORLD_SIZE, all
-        ranks when unset)."""
-        wanted = self.config.ranks_per_node if self.config is not None else "auto"
-        if wanted == "auto":
-            wanted = int(os.environ.get("LOCAL_WORLD_SIZE", self.plan.world_size))
-        return max(1, min(int(wanted), self.plan.world_size))
+        """Ranks per node (``sequence_parallel.ranks_per_node``, resolved in the settings)."""
+        return self.settings.ranks_per_node
 
     def node_of(self, rank: int) -> int:
         """Node index of a global rank (ranks are numbered node by node, as the launchers do)."""
@@ -318,6 +337,19 @@ class SeqParMesh:
             f"(ulysses {c.ulysses_rank}/{p.ulysses_size}, ring {c.ring_rank}/{p.ring_size} = "
             f"outer {c.ring_outer_rank}/{p.ring_outer_size} x inner {c.ring_inner_rank}/{p.ring_inner_size})"
         )
+
+
+def _create_groups(plan: MeshPlan, rank: int) -> MeshGroups:
+    """Every process group of ``plan`` (collective over the world: every rank creates every group in order)."""
+    process_groups: dict[str, Any] = {}
+    members: dict[str, list[int]] = {}
+    for kind in GROUP_KINDS:
+        for ranks in plan.groups(kind):
+            group = dist.group.WORLD if kind == "sp_dp" else dist.new_group(ranks)
+            if rank in ranks:
+                process_groups[kind] = group
+                members[kind] = ranks
+    return MeshGroups(process_groups, members)
 
 
 class DeepSpeedMPU:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ds_seqpar import SeqParMesh, SequenceParallelConfig, attention
+from ds_seqpar import SeqParMesh, attention
 from ds_seqpar.parallel.dsp import switch_sharded_axis
 
 B, T, S, C_IN, C, H, BLOCKS = 2, 8, 16, 4, 32, 4, 2
@@ -147,9 +147,7 @@ def train(mode: str, steps: int, mesh: SeqParMesh | None = None, seed: int = 0) 
 def build_mesh(mode: str) -> SeqParMesh:
     """The SP group of every rank: Ulysses over all ranks (the DSP switch uses the same ``sp`` group)."""
     world = dist.get_world_size()
-    mesh = SeqParMesh.build(world, world)
-    mesh.config = SequenceParallelConfig(size=world, ulysses_degree=world, attention="ulysses")
-    return mesh
+    return SeqParMesh.from_config({"size": world, "ulysses_degree": world, "attention": "ulysses"})
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.harness import DistPool
+from tests.helpers.harness import DistPool
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 
 import ds_seqpar
-from ds_seqpar import SeqParMesh, SequenceParallelConfig, shard_batch
+from ds_seqpar import SeqParMesh, shard_batch
 from ds_seqpar.config import load_config, parse_section
 from ds_seqpar.layout import doc_ids_from_cu_seqlens
 from ds_seqpar.parallel.linear_scan import linear_attention
+from tests.helpers.meshes import mesh_for
 
 COMM = [
     "all_to_all_single", "all_to_all", "all_reduce", "all_gather", "all_gather_into_tensor",
@@ -50,16 +51,9 @@ def _tripwire():
             setattr(dist, name, fn)
 
 
-_MESHES: dict = {}
-
-
 def _mesh(u: int = 2, layout: str | None = "zigzag", attention: str = "usp", **extra) -> SeqParMesh:
-    if u not in _MESHES:
-        _MESHES[u] = SeqParMesh.build(2, u)
-    mesh = _MESHES[u]
     ring = {} if layout is None else {"ring": {"layout": layout}}
-    mesh.config = SequenceParallelConfig(size=2, ulysses_degree=u, attention=attention, **ring, **extra)
-    return mesh
+    return mesh_for({"size": 2, "ulysses_degree": u, "attention": attention, **ring, **extra})
 
 
 def _qkv(n: int = 8, h: int = 4, h_kv: int = 4, d: int = 8, dtype=torch.float32) -> tuple[torch.Tensor, ...]:
@@ -100,7 +94,7 @@ def _linear(**kw):
 
 def _lm(**batch_overrides):
     from ds_seqpar import SeqParCausalLM
-    from tests.hf_models import tiny_model
+    from tests.helpers.hf_models import tiny_model
 
     model = SeqParCausalLM(tiny_model("llama"), _mesh(u=1))
     batch = shard_batch({"input_ids": torch.randint(4, 50, (1, 16))}, model.mesh)
@@ -110,8 +104,8 @@ def _lm(**batch_overrides):
 def _decoder_keyword(**kwargs):
     """A keyword the model forwards to its attention layers (transformers passes **kwargs through)."""
     from ds_seqpar import SeqParCausalLM
-    from ds_seqpar.integrations.transformers import CONTEXT_KEY, SeqParContext
-    from tests.hf_models import tiny_model
+    from ds_seqpar.integrations.context import CONTEXT_KEY, SeqParContext
+    from tests.helpers.hf_models import tiny_model
 
     lm = SeqParCausalLM(tiny_model("llama"), _mesh(u=1))
     batch = shard_batch({"input_ids": torch.randint(4, 50, (1, 16))}, lm.mesh)
@@ -123,7 +117,8 @@ def _decoder_keyword(**kwargs):
 
 def _attention_call(**kwargs):
     """transformers' attention interface call, as an attention layer makes it."""
-    from ds_seqpar.integrations.transformers import CONTEXT_KEY, SeqParContext, seqpar_attention_forward
+    from ds_seqpar.integrations.context import CONTEXT_KEY, SeqParContext
+    from ds_seqpar.integrations.hf_attention import seqpar_attention_forward
 
     q, k, v = (t.transpose(1, 2) for t in _qkv())
     layer = torch.nn.Module()
@@ -134,7 +129,7 @@ def _attention_call(**kwargs):
 
 def _moe_aux_loss():
     from ds_seqpar import SeqParCausalLM
-    from tests.hf_models import tiny_model
+    from tests.helpers.hf_models import tiny_model
 
     return SeqParCausalLM(tiny_model("gpt_oss", output_router_logits=True), _mesh(u=1))
 

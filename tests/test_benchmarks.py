@@ -18,11 +18,12 @@ from benchmarks import measure, peers
 from benchmarks.report import attention_markdown
 from benchmarks.run import score_attention_rows
 from benchmarks.suites.attention import REFERENCE_NO_COMM, REFERENCE_ONE_PROCESS
-from ds_seqpar import SeqParMesh, SequenceParallelConfig
-from ds_seqpar.layout import SeqLayout
+from ds_seqpar import SeqParMesh
+from ds_seqpar.layout import ring_layout
+from ds_seqpar.ops.attention.reference import dense_attention_reference
 from ds_seqpar.ops.masks import BlockKind, MaskSpec
-from ds_seqpar.ops.reference import dense_attention_reference
-from ds_seqpar.parallel.ring import RingPlan, _query_meta, _tasks, build_schedule
+from ds_seqpar.parallel.ring import RingPlan, build_schedule
+from ds_seqpar.parallel.ring.plan import query_meta, step_tasks
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +83,7 @@ def test_flash_shim_aligns_causality_and_windows_bottom_right(shim, sq, sk, wind
 
 def sent_bytes_vs_comm_stats(u: int) -> tuple[int, int]:
     world = torch.distributed.get_world_size()
-    mesh = SeqParMesh.build(world, u)
-    mesh.config = SequenceParallelConfig(size=world, ulysses_degree=u, ring={"layout": "zigzag"})
+    mesh = SeqParMesh.from_config({"size": world, "ulysses_degree": u, "ring": {"layout": "zigzag"}})
     q, k, v = (torch.randn(1, 16, 4, 8, requires_grad=True) for _ in range(3))
     with measure.SentBytes() as sent, mesh.comm_stats.measure() as region:
         ds_seqpar.attention(q, k, v, mesh=mesh).sum().backward()
@@ -100,9 +100,9 @@ def test_sent_bytes_agree_with_comm_stats(dist_pool, u: int) -> None:
 def zigzag_calls_per_step() -> list[list[str]]:
     world = torch.distributed.get_world_size()
     mesh = SeqParMesh.build(world, 1)
-    plan = RingPlan(build_schedule(mesh), SeqLayout("zigzag", world), MaskSpec(causal=True))
-    q_pos, q_doc = _query_meta(plan, 64, torch.device("cpu"))
-    return [[t.kind.value for t in _tasks(plan, 64, owner, q_pos, q_doc)] for owner in range(world)]
+    plan = RingPlan(build_schedule(mesh), ring_layout("zigzag", world), MaskSpec(causal=True))
+    q_pos, q_doc = query_meta(plan, 64, torch.device("cpu"))
+    return [[t.kind.value for t in step_tasks(plan, 64, owner, q_pos, q_doc)] for owner in range(world)]
 
 
 def test_zigzag_runs_one_kernel_call_per_step(dist_pool) -> None:

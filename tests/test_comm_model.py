@@ -1,8 +1,8 @@
 """The closed-form communication model (ds_seqpar/comm/model.py, docs/comm_model.md): its identities.
 
 The schedules' byte counters are tested against ``peer_bytes`` elsewhere; here the model is held to
-the formulas it must agree with (``comm_volume.ring_bytes``) and to the relations between schedules
-that ALGORITHMS.md §9–§11 derive: TASP moves the ring's bytes over d − 1 links, StarTrail with C = 1
+the per-rank totals docs/ring.md states for the ring and the all-gather, and to the relations between
+schedules docs/schedules.md derives: TASP moves the ring's bytes over d − 1 links, StarTrail with C = 1
 is the ring, ATTENTION2D's degenerate grids are all-gather-KV and all-gather-Q.
 """
 
@@ -24,7 +24,6 @@ from ds_seqpar.comm.model import (
     tasp_peers,
     tasp_subchunks,
 )
-from ds_seqpar.parallel.comm_volume import ring_bytes
 
 MHA = LayerShape.of(batch=2, tokens=840, heads=4, kv_heads=4, head_dim=16, element_bytes=2)
 GQA = LayerShape.of(batch=1, tokens=840, heads=8, kv_heads=2, head_dim=8, element_bytes=4)
@@ -43,14 +42,23 @@ def busiest(peers: dict) -> int:
 @pytest.mark.parametrize(
     ("ring", "inner"), [(1, None), (2, None), (3, None), (8, None), (8, 2), (8, 4), (8, 1), (12, 3), (6, 6)]
 )
-def test_ring_and_all_gather_totals_are_comm_volume_ring_bytes(shape, ring, inner):
-    args = (shape.batch, shape.tokens, shape.kv_heads, shape.head_dim, ring, shape.element_bytes)
-    for schedule in ("p2p", "all_gather"):
-        want = ring_bytes(*args, shape.acc_bytes, inner=inner, schedule=schedule)
+def test_ring_and_all_gather_totals_are_the_documented_formulas(shape, ring, inner):
+    """docs/ring.md "Bytes per rank and layer": fwd 2(R − 1)·blk·b; bwd the same + 2(R·[R_in > 1] +
+    R_out·[R_out > 1])·blk·a (p2p), all-gather again + reduce-scatter 2(R − 1)·blk·a (all_gather)."""
+    blk, b, a = shape.kv_elements, shape.element_bytes, shape.acc_bytes
+    r_in = inner or ring
+    r_out = ring // r_in
+    kv = 2 * (ring - 1) * blk * b
+    sends = (ring if r_in > 1 else 0) + (r_out if r_out > 1 else 0)
+    want = {
+        "p2p": ({"p2p": kv}, {"p2p": kv + 2 * sends * blk * a}),
+        "all_gather": ({"all_gather": kv}, {"all_gather": kv, "reduce_scatter": 2 * (ring - 1) * blk * a}),
+    }
+    for schedule, (forward, backward) in want.items():
         for rank in range(ring):
             fwd, bwd = both(schedule, shape, ring, rank, inner=inner)
-            assert kind_totals(fwd) == want.forward
-            assert kind_totals(bwd) == want.backward
+            assert kind_totals(fwd) == {k: v for k, v in forward.items() if v}
+            assert kind_totals(bwd) == {k: v for k, v in backward.items() if v}
 
 
 def test_single_ring_sends_only_to_its_successor():
@@ -185,8 +193,8 @@ def test_startrail_backward_variants_and_choice():
 @pytest.mark.parametrize("shape", [MHA, GQA, FP64], ids=["bf16-mha", "fp32-gqa", "fp64"])
 @pytest.mark.parametrize("ring", [2, 3, 8])
 def test_attention2d_degenerate_grids(shape, ring):
-    """(R, 1): one K/V block per rank gathered over everyone = all-gather-KV CP (§7), no output merge.
-    (1, R): Q gathered over everyone, K/V stay, outputs LSE-merged by all-to-all (§11)."""
+    """(R, 1): one K/V block per rank gathered over everyone = all-gather-KV CP, no output merge.
+    (1, R): Q gathered over everyone, K/V stay, outputs LSE-merged by all-to-all (docs/comm_model.md)."""
     b, a = shape.element_bytes, shape.acc_bytes
     for rank in range(ring):
         assert both("attention2d", shape, ring, rank, grid=(ring, 1)) == both("all_gather", shape, ring, rank)

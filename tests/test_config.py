@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from ds_seqpar import SeqParConfigError, load_config, parse_section
 from ds_seqpar.config import auto_ulysses_degree, config_field_paths
@@ -24,7 +26,13 @@ def test_defaults_and_documented_example():
             "kernel": "auto",
         }
     )
-    assert (cfg.size, cfg.ulysses_degree, cfg.ring_degree, cfg.ring_inner_size) == (8, 2, 4, 4)
+    settings = cfg.validate()
+    assert (settings.size, settings.ulysses_degree, settings.ring_degree, settings.ring_inner_size) == (
+        8,
+        2,
+        4,
+        4,
+    )
     minimal = parse_section({"size": 4})
     assert (minimal.ring.layout, minimal.attention, minimal.kernel, minimal.ulysses_degree) == (
         "zigzag",
@@ -70,8 +78,8 @@ def test_auto_ulysses_degree_rule(size, heads, kv, expected):
 
 
 def test_auto_for_pure_algorithms_needs_no_model():
-    assert parse_section({"size": 4, "attention": "ring"}).validate().resolved_ulysses_degree == 1
-    assert parse_section({"size": 4, "attention": "ulysses"}).validate().resolved_ulysses_degree == 4
+    assert parse_section({"size": 4, "attention": "ring"}).validate().ulysses_degree == 1
+    assert parse_section({"size": 4, "attention": "ulysses"}).validate().ulysses_degree == 4
 
 
 # Each bad section -> (regex the message must match: the key, the bad value, a valid alternative).
@@ -136,7 +144,7 @@ BAD_SECTIONS = [
     ),
     (
         {"size": 8, "kernel": "flash"},
-        r"sequence_parallel\.kernel='flash' is not valid; valid: auto, torch, sdpa, cuda_sdpa, flash_attn",
+        r"sequence_parallel\.kernel='flash' is not valid; valid: auto, flash_attn, cuda_sdpa, sdpa, torch",
     ),
     (
         {"size": 8, "enabled": "true"},
@@ -323,8 +331,42 @@ def test_sparse_ring_refuses_topology_schedules():
 
 
 def test_tasp_pads_to_its_pieces():
-    from ds_seqpar.layout import SeqLayout, UspLayout
+    settings = parse_section({"size": 10, "ulysses_degree": 2, "ring": {"schedule": "tasp"}}, 10).validate()
+    assert (
+        settings.schedule.pieces(settings.ring_params()) == 4
+    )  # R = 5: the whole ring is the domain, 4 cycles
+    assert settings.input_layout().multiple == 2 * 5 * 4
 
-    section = parse_section({"size": 10, "ulysses_degree": 2, "ring": {"schedule": "tasp"}}, 10)
-    assert section.ring_pieces == 4  # R = 5: the whole ring is the domain, 4 cycles
-    assert UspLayout(SeqLayout("zigzag", 5), 2, section.ring_pieces).multiple == 2 * 5 * 4
+
+def test_resolved_settings_are_frozen_and_every_auto_is_resolved():
+    model = {"num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 2048}
+    settings = parse_section({"size": 8, "memory": {"tiled_mlp": True}}).validate(model, 8)
+    assert (settings.ulysses_degree, settings.ulysses_chunks, settings.memory.mlp_tile_tokens) == (4, 4, 2048)
+    assert settings.ranks_per_node in range(1, 9)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.ulysses_degree = 2
+    with pytest.raises(ValidationError):
+        parse_section({"size": 8}).size = 4  # the section itself is immutable too
+
+
+def test_config_choices_are_the_registries_names():
+    """The names the section accepts (and lists in its errors) are the registries', written once."""
+    from ds_seqpar.comm.schedules import SCHEDULES
+    from ds_seqpar.layout import LAYOUTS
+    from ds_seqpar.ops.attention import KERNELS
+    from ds_seqpar.ops.sparse.kernels import SPARSE_KERNELS
+
+    def choices(section: dict) -> list[str]:
+        with pytest.raises(SeqParConfigError) as info:
+            parse_section(section)
+        return str(info.value).split("valid: ", 1)[1].split(", ")
+
+    assert choices({"size": 2, "ring": {"layout": "?"}}) == list(LAYOUTS)
+    assert choices({"size": 2, "ring": {"schedule": "?"}}) == list(SCHEDULES)
+    assert choices({"size": 2, "kernel": "?"}) == ["auto", *KERNELS]
+    assert choices({"size": 2, "attention": "sparse_ring", "sparse": {"kernel": "?"}}) == [
+        "auto",
+        *SPARSE_KERNELS,
+    ]
+    for name in (*LAYOUTS, *SCHEDULES, *KERNELS, *SPARSE_KERNELS):
+        assert name in (REPO / "docs" / "configuration.md").read_text(), name

@@ -19,9 +19,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ds_seqpar.ops import cuda_sdpa
-from ds_seqpar.ops.attention import KERNELS, available_kernels
-from ds_seqpar.ops.reference import dense_attention_reference
+from ds_seqpar.ops.attention import KERNELS, available_kernels, cuda_sdpa
+from ds_seqpar.ops.attention.reference import dense_attention_reference
 
 KINDS = ("full", "causal", "partial")
 

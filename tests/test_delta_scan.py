@@ -10,44 +10,24 @@ K - 1 rows per run whose halo another rank holds.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ds_seqpar import SeqParMesh, SequenceParallelConfig, input_layout
+from ds_seqpar import input_layout
 from ds_seqpar.comm.halo import halo_plan
 from ds_seqpar.comm.scan import gathered_elements
 from ds_seqpar.ops.conv import causal_conv1d
 from ds_seqpar.ops.delta import delta_rule_reference
 from ds_seqpar.parallel.delta_scan import delta_rule_attention, sharded_causal_conv1d
+from tests.helpers.cases import ScanCase
+from tests.helpers.meshes import mesh_for
+from tests.helpers.references import assert_within
 
 B, H, DK, DV = 2, 4, 3, 4
-
-_MESHES: dict[tuple, SeqParMesh] = {}
-
-
-def _mesh(world: int, u: int) -> SeqParMesh:
-    if (world, u) not in _MESHES:
-        _MESHES[(world, u)] = SeqParMesh.build(world, u)
-    return _MESHES[(world, u)]
-
-
-def _configure(mesh: SeqParMesh, world: int, case: dict) -> None:
-    ring = {"layout": case["layout"]}
-    if case["layout"] == "stripe":
-        ring["granularity"] = case.get("granularity", 1)
-    mesh.config = SequenceParallelConfig(
-        size=world,
-        ulysses_degree=case["u"],
-        ring=ring,
-        linear={
-            "scan": case.get("mode", "all_scan"),
-            "blocks": case.get("blocks", 1),
-            "chunk_size": case.get("chunk", 4),
-        },
-    )
 
 
 def _inputs(seq_len: int, decay: str, seed: int) -> dict[str, torch.Tensor | None]:
@@ -66,14 +46,13 @@ def _inputs(seq_len: int, decay: str, seed: int) -> dict[str, torch.Tensor | Non
     return t
 
 
-def run_delta_cases(cases: list[dict]) -> list[dict]:
+def run_delta_cases(cases: list[ScanCase]) -> list[dict]:
     world = dist.get_world_size()
     results = []
     for case in cases:
-        mesh = _mesh(world, case["u"])
-        _configure(mesh, world, case)
+        mesh = mesh_for(case.section(world))
         layout = input_layout(mesh)
-        t = _inputs(case["seq_len"], case["decay"], case["seed"])
+        t = _inputs(case.seq_len, case.decay, case.seed)
         leaves = {n: x.clone().requires_grad_() for n, x in t.items() if n != "dout" and x is not None}
         ref, _ = delta_rule_reference(
             leaves["q"],
@@ -114,46 +93,48 @@ def run_delta_cases(cases: list[dict]) -> list[dict]:
     return results
 
 
-def _check(cases: list[dict], results: list[list[dict]], world: int) -> None:
+def _check(cases: list[ScanCase], results: list[list[dict]], world: int) -> None:
     for i, case in enumerate(cases):
         per_rank = [r[i] for r in results]
         for rank, res in enumerate(per_rank):
-            assert all(e <= 1e-10 for e in res["errors"].values()), f"{case} rank {rank}: {res['errors']}"
+            assert_within(res["errors"], 1e-10, f"{case} rank {rank}")
         init = sum(r["init"] for r in per_rank)  # replicated initial state: the group's gradients sum
         assert (init - per_rank[0]["ref_init"]).abs().max() <= 1e-10, case
-        h_u = H // case["u"]
+        h_u = H // case.u
         state = B * h_u * DK * DV * 8
-        ring = world // case["u"]
+        ring = world // case.u
         for sp_rank, res in enumerate(per_rank):
-            r = sp_rank // case["u"]
-            if case["mode"] == "all_scan" and case["layout"] == "contiguous":
+            r = sp_rank // case.u
+            if case.mode == "all_scan" and case.layout == "contiguous":
                 assert res["p2p_fwd"] == (state if r < ring - 1 else 0), (case, sp_rank, res["p2p_fwd"])
                 assert res["p2p_bwd"] == (state if r > 0 else 0), (case, sp_rank, res["p2p_bwd"])
-            elif case["mode"] == "all_scan":  # zigzag: up the ranks, turn on rank R-1, back down
+            elif case.mode == "all_scan":  # zigzag: up the ranks, turn on rank R-1, back down
                 hops = 2 if 0 < r < ring - 1 else (1 if ring > 1 else 0)
                 assert res["p2p_fwd"] == state * hops and res["p2p_bwd"] == state * hops, (case, sp_rank)
             else:  # every piece's (M, N) from the R - 1 others: forward and backward alike
-                pieces = 2 if case["layout"] == "zigzag" else 1
+                pieces = case.segments
                 per_piece = B * h_u * gathered_elements("matrix", DK, DV) * 8
                 assert res["gather_fwd"] == pieces * per_piece * (ring - 1), (case, res["gather_fwd"])
                 assert res["gather_bwd"] == pieces * per_piece * (ring - 1), (case, res["gather_bwd"])
 
 
-def _cases(p: int) -> list[dict]:
-    cases = []
-    for decay, layout, (mode, blocks) in itertools.product(
-        ("gdn", "kda"),
-        ("contiguous", "zigzag"),
-        (("all_scan", 1), ("all_scan", 2), ("all_scan", DV), ("all_gather", 1)),
-    ):
-        cases.append(dict(u=1, decay=decay, layout=layout, mode=mode, blocks=blocks, chunk=3))
-    cases.append(dict(u=1, decay="none", layout="zigzag", mode="all_scan", blocks=2, chunk=5))
+def _cases(p: int) -> list[ScanCase]:
+    cases = [
+        ScanCase(decay=decay, layout=layout, mode=mode, blocks=blocks, chunk=3)
+        for decay, layout, (mode, blocks) in itertools.product(
+            ("gdn", "kda"),
+            ("contiguous", "zigzag"),
+            (("all_scan", 1), ("all_scan", 2), ("all_scan", DV), ("all_gather", 1)),
+        )
+    ]
+    cases.append(ScanCase(decay="none", blocks=2, chunk=5))
     for u in (u for u in (2, 4) if p % u == 0 and p > u):
-        cases.append(dict(u=u, decay="kda", layout="zigzag", mode="all_scan", blocks=2, chunk=4))
-        cases.append(dict(u=u, decay="gdn", layout="contiguous", mode="all_gather", blocks=1, chunk=4))
-    for i, case in enumerate(cases):
-        case.update(seq_len=4 * p * max(2, case["u"]) + (2 * p if case["layout"] == "zigzag" else p), seed=i)
-    return cases
+        cases.append(ScanCase(u=u, decay="kda", blocks=2))
+        cases.append(ScanCase(u=u, decay="gdn", layout="contiguous", mode="all_gather"))
+    return [
+        replace(case, seq_len=4 * p * max(2, case.u) + (2 * p if case.layout == "zigzag" else p), seed=i)
+        for i, case in enumerate(cases)
+    ]
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
@@ -165,15 +146,14 @@ def test_delta_scan_matches_sequential_recurrence(dist_pool, p):
 # -- the conv1d halo -----------------------------------------------------------------------------
 
 
-def run_conv_cases(cases: list[dict]) -> list[dict]:
+def run_conv_cases(cases: list[ScanCase]) -> list[dict]:
     world = dist.get_world_size()
     results = []
     for case in cases:
-        mesh = _mesh(world, case["u"])
-        _configure(mesh, world, case)
+        mesh = mesh_for(case.section(world))
         layout = input_layout(mesh)
-        g = torch.Generator().manual_seed(case["seed"])
-        c, kernel, s = 5, case["kernel"], case["seq_len"]
+        g = torch.Generator().manual_seed(case.seed)
+        c, kernel, s = 5, case.kernel, case.seq_len
         x = torch.randn(B, s, c, generator=g, dtype=torch.float64, requires_grad=True)
         w = torch.randn(c, kernel, generator=g, dtype=torch.float64, requires_grad=True)
         bias = torch.randn(c, generator=g, dtype=torch.float64, requires_grad=True)
@@ -184,7 +164,7 @@ def run_conv_cases(cases: list[dict]) -> list[dict]:
         xl = layout.shard(x.detach(), me).clone().requires_grad_()
         wl, bl = w.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
         conv = (wl, bl)
-        if case.get("module"):  # the model's own nn.Conv1d, as the HF adapters pass it
+        if case.module:  # the model's own nn.Conv1d, as the HF adapters pass it
             conv = torch.nn.Conv1d(c, c, kernel, groups=c, padding=kernel - 1, dtype=torch.float64)
             conv.weight, conv.bias = (
                 torch.nn.Parameter(wl.detach().unsqueeze(1)),
@@ -194,7 +174,7 @@ def run_conv_cases(cases: list[dict]) -> list[dict]:
             y = sharded_causal_conv1d(xl, conv, mesh=mesh)
         with mesh.comm_stats.measure() as bwd:
             y.backward(layout.shard(dy, me))
-        if case.get("module"):
+        if case.module:
             wl.grad, bl.grad = conv.weight.grad.squeeze(1), conv.bias.grad
         results.append(
             {
@@ -214,16 +194,16 @@ def run_conv_cases(cases: list[dict]) -> list[dict]:
 
 def test_conv_halo_matches_one_process(dist_pool):
     p = 4
+    base = ScanCase(seq_len=8 * p)
     cases = [
-        dict(u=1, layout="contiguous", kernel=4),
-        dict(u=1, layout="zigzag", kernel=4),
-        dict(u=2, layout="zigzag", kernel=3),
-        dict(u=1, layout="stripe", granularity=1, kernel=4),  # the halo spans three other ranks
-        dict(u=1, layout="contiguous", kernel=1),  # no halo at all
-        dict(u=1, layout="zigzag", kernel=4, module=True),
+        replace(base, layout="contiguous"),
+        base,
+        replace(base, u=2, kernel=3),
+        replace(base, layout="stripe"),  # the halo spans three other ranks
+        replace(base, layout="contiguous", kernel=1),  # no halo at all
+        replace(base, module=True),
     ]
-    for i, case in enumerate(cases):
-        case.update(seq_len=8 * p, seed=i)
+    cases = [replace(case, seed=i) for i, case in enumerate(cases)]
     results = dist_pool(p).run(run_conv_cases, cases)
     for i, case in enumerate(cases):
         per_rank = [r[i] for r in results]
@@ -231,7 +211,7 @@ def test_conv_halo_matches_one_process(dist_pool):
         for name in ("dw", "db"):  # replicated weights: the group's gradients sum to the reference
             total = sum(r[name] for r in per_rank)
             assert (total - per_rank[0]["ref_" + name]).abs().max() <= 1e-10, case
-        width = case["kernel"] - 1
+        width = case.kernel - 1
         for me, res in enumerate(per_rank):  # bytes: the rows other ranks need from this one, each way
             plan = halo_plan(res["positions"], me, width)
             sent = sum(len(rows) for rows in plan.sends.values()) * B * 5 * 8
@@ -260,8 +240,9 @@ def run_delta_error_cases(cases: list[dict]) -> list[str]:
     world = dist.get_world_size()
     messages = []
     for case in cases:
-        mesh = _mesh(world, 1)
-        _configure(mesh, world, dict(u=1, layout=case["layout"], granularity=2))
+        mesh = mesh_for(
+            ScanCase(layout=case["layout"], granularity=2 if case["layout"] == "stripe" else 1).section(world)
+        )
         q = torch.randn(1, 8, H, DK, dtype=torch.float64)
         try:
             delta_rule_attention(

@@ -13,8 +13,8 @@ import torch
 from ds_seqpar import SeqParCausalLM, SeqParMaskedLM, shard_batch
 from ds_seqpar.integrations.hf_model import UnsupportedModelError, objective_of
 from ds_seqpar.tasks.masking import MaskedAnswers, MaskedLMDataset, mask_tokens
-from tests.hf_models import MASK_ID, VOCAB, masked_batches, tiny_encoder, tiny_model
-from tests.test_hf_integration import _mesh, deepspeed_ab, sp_vs_reference
+from tests.helpers.hf_ab import deepspeed_ab, sp_mesh, sp_vs_reference
+from tests.helpers.hf_models import MASK_ID, VOCAB, masked_batches, tiny_encoder, tiny_model
 
 PACKED = [21, 30, 13]  # three documents in a row of 64
 
@@ -56,7 +56,7 @@ def test_zero3_training_on_packed_documents_matches_plain_model(dist_pool, kind,
 
 
 def masked_shard_case() -> dict:
-    mesh = _mesh(1, "contiguous")
+    mesh = sp_mesh(1, "contiguous")
     ids = torch.arange(10)[None] + 5
     labels = torch.full_like(ids, -100)
     labels[0, 3] = 8
@@ -73,7 +73,7 @@ def test_masked_shard_keeps_labels_in_place_and_hides_the_end_padding(dist_pool)
 
 def causal_wrapper_on_encoder_error() -> str:
     with pytest.raises(UnsupportedModelError) as err:
-        SeqParCausalLM(tiny_encoder("bert"), _mesh(1))
+        SeqParCausalLM(tiny_encoder("bert"), sp_mesh(1))
     return str(err.value)
 
 
@@ -85,7 +85,7 @@ def roberta_error() -> str:
         max_position_embeddings=80, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )  # fmt: skip
     with pytest.raises(UnsupportedModelError) as err:
-        SeqParMaskedLM(transformers.RobertaForMaskedLM(cfg), _mesh(1))
+        SeqParMaskedLM(transformers.RobertaForMaskedLM(cfg), sp_mesh(1))
     return str(err.value)
 
 

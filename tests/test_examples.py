@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ds_seqpar.config import SequenceParallelConfig
 from ds_seqpar.parallel.comm_volume import attention_layer_bytes
-from tests.harness import run_launcher
+from tests.helpers.harness import run_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -175,12 +175,12 @@ def test_dsp_video_example_equals_one_process_and_moves_less_than_ulysses(dist_p
         for mode in ("dsp", "ulysses"):
             got = res[mode]
             assert got["param_rel_err"] <= 1e-5, (mode, got)
-            for a, b in zip(got["losses"], res["single"]):
+            for a, b in zip(got["losses"], res["single"], strict=True):
                 assert abs(a - b) <= 1e-5 * abs(b), (mode, got["losses"], res["single"])
         assert res["dsp"]["bytes"] == example.BLOCKS * 4 * switch
-        section = SequenceParallelConfig(size=world, ulysses_degree=world, attention="ulysses")
+        settings = SequenceParallelConfig(size=world, ulysses_degree=world, attention="ulysses").validate()
         layer = attention_layer_bytes(
-            section,
+            settings,
             example.T,
             example.H,
             example.H,

@@ -19,14 +19,17 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from benchmarks import peers
-from ds_seqpar.ops import attention, flash_kernel
+from ds_seqpar.ops import attention, backends
 from ds_seqpar.ops.attention import KERNELS, block_attn_backward, block_attn_forward, flash_attn_kernel
+from ds_seqpar.ops.attention import flash as flash_kernel
+from tests.helpers.cases import AttentionCase
 
 TOL = 1e-10
 
@@ -96,12 +99,12 @@ def test_blocks_match_the_torch_kernel(shim, sq, sk, causal, masked, d, softcap,
 # ---------------------------------------------------------------------------------------------- engine
 
 
-def run_varlen_cases(cases: list[dict]) -> list[dict]:
+def run_varlen_cases(cases: list[AttentionCase]) -> list[dict]:
     """Ring attention (R = world) with packed documents on the CPU flash kernel; errors and call counts."""
     from ds_seqpar import SeqParMesh
-    from ds_seqpar.layout import SeqLayout, doc_ids_from_cu_seqlens
-    from ds_seqpar.ops.masks import MaskSpec, token_mask
-    from ds_seqpar.ops.reference import dense_attention_reference
+    from ds_seqpar.layout import ring_layout
+    from ds_seqpar.ops.attention.reference import dense_attention_reference
+    from ds_seqpar.ops.masks import token_mask
     from ds_seqpar.parallel.ring import RingPlan, build_schedule, ring_attention
 
     _use_shim()
@@ -126,11 +129,10 @@ def run_varlen_cases(cases: list[dict]) -> list[dict]:
     )  # fmt: skip
     results = []
     for i, case in enumerate(cases):
-        s = case["seq_len"]
-        layout = SeqLayout(case["layout"], world)
-        q, k, v, dout = _inputs(case["batch"], s, s, 4, case["h_kv"], 16, seed=i)
-        docs = doc_ids_from_cu_seqlens(case["cu_seqlens"], s) if case.get("cu_seqlens") else None
-        spec = MaskSpec(window=case.get("window"))
+        s = case.seq_len
+        layout = ring_layout(case.layout, world)
+        q, k, v, dout = _inputs(case.batch, s, s, 4, case.h_kv, 16, seed=i)
+        docs, spec = case.doc_ids(), case.spec
         plan = RingPlan(build_schedule(mesh, "p2p"), layout, spec, docs, kernel)
         leaves = [layout.shard(t, me).clone().requires_grad_() for t in (q, k, v)]
         calls.update(varlen=0, band=0)
@@ -150,13 +152,14 @@ def run_varlen_cases(cases: list[dict]) -> list[dict]:
 
 def test_packed_documents_and_windows_run_as_varlen_and_band_calls(dist_pool):
     s = 96
-    sixteen = list(range(0, s + 1, 6))
+    sixteen = tuple(range(0, s + 1, 6))
+    base = AttentionCase(seq_len=s, layout="contiguous", batch=1)
     cases = [
-        dict(layout="contiguous", seq_len=s, batch=1, h_kv=4, cu_seqlens=sixteen),
-        dict(layout="zigzag", seq_len=s, batch=2, h_kv=2, cu_seqlens=[0, 5, 30, 61, 90]),
-        dict(layout="contiguous", seq_len=s, batch=2, h_kv=1, cu_seqlens=sixteen, window=4),
-        dict(layout="contiguous", seq_len=s, batch=1, h_kv=2, window=20),
-        dict(layout="zigzag", seq_len=s, batch=2, h_kv=4, window=7),
+        replace(base, h_kv=4, cu_seqlens=sixteen),
+        replace(base, layout="zigzag", batch=2, h_kv=2, cu_seqlens=(0, 5, 30, 61, 90)),
+        replace(base, batch=2, h_kv=1, cu_seqlens=sixteen, window=4),
+        replace(base, h_kv=2, window=20),
+        replace(base, layout="zigzag", batch=2, h_kv=4, window=7),
     ]
     results = dist_pool(2).run(run_varlen_cases, cases)
     for rank, per_rank in enumerate(results):
@@ -247,7 +250,7 @@ def test_unavailable_names_the_reason(shim, monkeypatch):
 
 
 def test_auto_logs_its_choice_once(caplog):
-    attention._log_auto.cache_clear()
+    backends._log_auto.cache_clear()
     with caplog.at_level(logging.INFO, logger="ds_seqpar"):
         for _ in range(3):
             attention.resolve_kernel("auto", "cpu", torch.float32)

@@ -1,4 +1,4 @@
-"""Hamiltonian decompositions of the complete digraph (TASP's concurrent rings, issue 21)."""
+"""Hamiltonian decompositions of the complete digraph (TASP's concurrent rings, docs/schedules.md)."""
 
 from __future__ import annotations
 

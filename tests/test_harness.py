@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import DistPool, DistributedTestError, DistributedTimeout
+from tests.helpers.harness import DistPool, DistributedTestError, DistributedTimeout
 
 
 def sum_of_ranks(offset: float) -> float:

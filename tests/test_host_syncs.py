@@ -12,20 +12,24 @@ the work they save (pairs of different documents are never computed).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ds_seqpar
-from ds_seqpar import SeqParMesh, SequenceParallelConfig
-from ds_seqpar.layout import SeqLayout, doc_ids_from_cu_seqlens
+from ds_seqpar import SeqParMesh
+from ds_seqpar.layout import ring_layout
+from ds_seqpar.ops.attention.reference import dense_attention_reference
 from ds_seqpar.ops.masks import MaskSpec, token_mask
-from ds_seqpar.ops.reference import dense_attention_reference
-from ds_seqpar.ops.sparse import VerticalSlashBudget, estimate_pattern, sparse_attention_reference
-from ds_seqpar.ops.sparse_kernels import available_sparse_kernels
-from ds_seqpar.parallel import ring
+from ds_seqpar.ops.sparse import estimate_pattern, sparse_attention_reference
+from ds_seqpar.ops.sparse.kernels import available_sparse_kernels
 from ds_seqpar.parallel.ring import RingPlan, WorkCounter, build_schedule, ring_attention
+from ds_seqpar.parallel.ring import execute as ring
+from tests.helpers.cases import AttentionCase, SparseCase
+from tests.helpers.meshes import mesh_for
 
 aten = torch.ops.aten
 SYNC_OPS = {
@@ -50,27 +54,12 @@ class SyncCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-_MESHES: dict = {}
-
-
-def _mesh(world: int, case: dict) -> SeqParMesh:
-    key = (world, case["u"])
-    if key not in _MESHES:
-        _MESHES[key] = SeqParMesh.build(world, case["u"])
-    mesh = _MESHES[key]
-    mesh.config = SequenceParallelConfig(
-        size=world,
-        ulysses_degree=case["u"],
-        ring={"layout": case["layout"]},
-        kernel=case.get("kernel", "auto"),
-    )
-    return mesh
-
-
-def _step(mesh: SeqParMesh, case: dict, local: list[torch.Tensor], dout: torch.Tensor, docs, work) -> list:
+def _step(
+    mesh: SeqParMesh, case: AttentionCase, local: list[torch.Tensor], dout: torch.Tensor, docs, work
+) -> list:
     """One forward and backward of this rank's shard; returns out and the gradients of q, k, v."""
     leaves = [t.clone().requires_grad_() for t in local]
-    out = ds_seqpar.attention(*leaves, mesh=mesh, window=case.get("window"), doc_ids=docs, work=work)
+    out = ds_seqpar.attention(*leaves, mesh=mesh, window=case.window, doc_ids=docs, work=work)
     out.backward(dout)
     return [out.detach(), *(t.grad for t in leaves)]
 
@@ -92,18 +81,18 @@ def _count_calls(module, name: str) -> _Counted:
     return counted
 
 
-def run_sync_cases(cases: list[dict]) -> list[dict]:
+def run_sync_cases(cases: list[AttentionCase]) -> list[dict]:
     """Per case: host syncs of the second (cached) call, max error against the reference, work pairs."""
     world = dist.get_world_size()
     out = []
     for i, case in enumerate(cases):
-        mesh = _mesh(world, case)
+        mesh = mesh_for(case.section(world))
         layout = ds_seqpar.input_layout(mesh)
-        s = case["seq_len"]
+        s = case.seq_len
         g = torch.Generator().manual_seed(i)
         h = max(4, world)
         q, k, v, dout = (torch.randn(2, s, h, 8, generator=g, dtype=torch.float64) for _ in range(4))
-        docs = doc_ids_from_cu_seqlens(case["cu_seqlens"], s) if case.get("cu_seqlens") else None
+        docs = case.doc_ids()
         me = mesh.coords.sp_rank
         local = [layout.shard(t, me) for t in (q, k, v)]
         work = WorkCounter()
@@ -115,7 +104,7 @@ def run_sync_cases(cases: list[dict]) -> list[dict]:
             got = _step(*args)
         ring.block_attn_forward = calls.original
         pos = torch.arange(s)
-        spec = MaskSpec(window=case.get("window"))
+        spec = case.spec
         mask = token_mask(pos, pos, spec) if docs is None else token_mask(pos, pos, spec, docs, docs)
         ref = [t.clone().requires_grad_() for t in (q, k, v)]
         ref_out, _ = dense_attention_reference(*ref, mask)
@@ -126,18 +115,17 @@ def run_sync_cases(cases: list[dict]) -> list[dict]:
     return out
 
 
-def _cases(p: int) -> list[dict]:
+def _cases(p: int) -> list[AttentionCase]:
     s = 32 * p
-    docs16 = list(range(0, s + 1, s // 16))  # a row of 16 short documents
+    docs16 = tuple(range(0, s + 1, s // 16))  # a row of 16 short documents
+    base = AttentionCase(seq_len=s)
     return [
-        dict(u=1, layout="zigzag", seq_len=s),
-        dict(u=1, layout="zigzag", seq_len=s, cu_seqlens=[0, s // 8, s // 4 + 3, s]),
-        dict(u=1, layout="contiguous", seq_len=s, window=11),
-        dict(
-            u=p, layout="zigzag", seq_len=s, cu_seqlens=docs16
-        ),  # R = 1: one PARTIAL block, cut per document
-        dict(u=1, layout="stripe", seq_len=s, cu_seqlens=docs16, window=9),
-        dict(u=1, layout="zigzag", seq_len=s, cu_seqlens=[0, 5, s // 2 + 1, s - 3], kernel="torch"),
+        base,
+        replace(base, cu_seqlens=(0, s // 8, s // 4 + 3, s)),
+        replace(base, layout="contiguous", window=11),
+        replace(base, u=p, cu_seqlens=docs16),  # R = 1: one PARTIAL block, cut per document
+        replace(base, layout="stripe", cu_seqlens=docs16, window=9),
+        replace(base, cu_seqlens=(0, 5, s // 2 + 1, s - 3), kernel="torch"),
     ]
 
 
@@ -157,7 +145,7 @@ def test_packed_documents_compute_only_their_own_pairs(dist_pool):
     blocks per document (16 x 36 visible score pairs per rank), not the 128 x 128 square of a whole-block mask,
     and, the documents having equal lengths, all in ONE batched kernel call."""
     s = 128
-    case = dict(u=4, layout="zigzag", seq_len=s, cu_seqlens=list(range(0, s + 1, 8)))
+    case = AttentionCase(u=4, seq_len=s, cu_seqlens=tuple(range(0, s + 1, 8)))
     for per_rank in dist_pool(4).run(run_sync_cases, [case]):
         assert per_rank[0]["err"] <= 1e-10, per_rank
         assert per_rank[0]["pairs"] == 16 * (8 * 9 // 2), per_rank
@@ -171,24 +159,24 @@ def _sparse_step(plan: RingPlan, local: list[torch.Tensor], dout: torch.Tensor) 
     return [got.detach(), *(t.grad for t in leaves)]
 
 
-def run_sparse_sync_cases(cases: list[dict]) -> list[dict]:
+def run_sparse_sync_cases(cases: list[SparseCase]) -> list[dict]:
     """The sparse ring's step loop (pattern given, as after estimation) with a sync-free sparse kernel:
     host syncs of the second call, forward and backward, and the max error against the reference."""
     world, me = dist.get_world_size(), dist.get_rank()
     out = []
     for i, case in enumerate(cases):
-        mesh = _mesh(world, dict(u=1, layout="stripe"))
-        s, dtype = case["seq_len"], case["dtype"]
-        layout = SeqLayout("stripe", world, 8)
+        mesh = mesh_for(AttentionCase(layout="stripe").section(world))
+        s, dtype = case.seq_len, case.dtype
+        layout = ring_layout(case.layout, world, case.granularity)
         g = torch.Generator().manual_seed(50 + i)
         q, dout = (torch.randn(1, s, 4, 8, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
         k, v = (torch.randn(1, s, 2, 8, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
         pos = torch.arange(s)
-        pattern = estimate_pattern(q, k, pos, pos, s, VerticalSlashBudget(0.05, 0.05, 8, 16, 2, 4))
-        docs = doc_ids_from_cu_seqlens(case["cu_seqlens"], s) if case.get("cu_seqlens") else None
-        spec = MaskSpec(window=case.get("window"))
+        pattern = estimate_pattern(q, k, pos, pos, s, case.budget())
+        docs = case.doc_ids()
+        spec = MaskSpec(window=case.window)
         plan = RingPlan(
-            build_schedule(mesh, "p2p"), layout, spec, docs, sparse=pattern, sparse_kernel=case["kernel"]
+            build_schedule(mesh, "p2p"), layout, spec, docs, sparse=pattern, sparse_kernel=case.kernel
         )
         args = (plan, [layout.shard(t, me) for t in (q, k, v)], layout.shard(dout, me))
         _sparse_step(*args)  # first call: positions and documents of every step cached
@@ -208,19 +196,17 @@ def run_sparse_sync_cases(cases: list[dict]) -> list[dict]:
 @pytest.mark.parametrize("p", [2, 4, pytest.param(8, marks=pytest.mark.slow)])  # P = 8: slow suite
 def test_sparse_step_loop_has_no_host_sync(dist_pool, p):
     s = 32 * p
-    docs = [0, 7, s // 2 + 5, s - 3]
-    cases = [
-        dict(kernel="masked", dtype=torch.float64, seq_len=s),
-        dict(kernel="masked", dtype=torch.float64, seq_len=s, window=20, cu_seqlens=docs),
-    ]
+    docs = (0, 7, s // 2 + 5, s - 3)
+    base = SparseCase(seq_len=s, granularity=8, kernel="masked")
+    cases = [base, replace(base, window=20, cu_seqlens=docs)]
     if sparse_triton_runs():
-        cases.append(dict(kernel="triton", dtype=torch.float32, seq_len=s, window=20, cu_seqlens=docs))
+        cases.append(replace(base, kernel="triton", dtype=torch.float32, window=20, cu_seqlens=docs))
     results = dist_pool(p).run(run_sparse_sync_cases, cases)
     for i, case in enumerate(cases):
         for rank, per_rank in enumerate(results):
             r = per_rank[i]
             assert r["syncs"] == [], (case, rank, r["syncs"][:5])
-            assert r["err"] <= (1e-10 if case["dtype"] == torch.float64 else 1e-5), (case, rank, r["err"])
+            assert r["err"] <= (1e-10 if case.dtype == torch.float64 else 1e-5), (case, rank, r["err"])
 
 
 def sparse_triton_runs() -> bool:

@@ -13,9 +13,9 @@ import torch
 
 import ds_seqpar
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
-from ds_seqpar.integrations.linear_models import REGISTRY, adapter_for, route_linear_layers
-from tests.hf_models import HYBRID_MODELS, batches
-from tests.test_hf_integration import deepspeed_ab, sp_vs_reference
+from ds_seqpar.integrations.recurrent_layers import REGISTRY, adapter_for, route_recurrent_layers
+from tests.helpers.hf_ab import deepspeed_ab, sp_vs_reference
+from tests.helpers.hf_models import HYBRID_MODELS, batches
 
 DEFAULT_ZERO3 = ("qwen3_next", "kimi_linear", "nemotron_h", "bamba")  # the others: slow suite
 CASES = [
@@ -62,13 +62,13 @@ def test_registry_routes_by_class_and_refuses_the_rest_by_name():
     with pytest.raises(
         UnsupportedModelError, match=r"Sequential\.1 is a TinyShortConv.*register_recurrent_layer"
     ):
-        route_linear_layers(model)
+        route_recurrent_layers(model)
     routed = lambda self, x: 2 * x  # noqa: E731 - a stand-in adapter
     ds_seqpar.register_recurrent_layer(TinyRecurrence, routed)
     try:
         layer = TinyRecurrence()
         assert adapter_for(layer) is routed
-        assert route_linear_layers(torch.nn.Sequential(layer)) == 1
+        assert route_recurrent_layers(torch.nn.Sequential(layer)) == 1
         assert layer(torch.ones(1)).item() == 2.0
     finally:
         del REGISTRY[TinyRecurrence]

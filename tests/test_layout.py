@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_seqpar.layout import LayoutError, SeqLayout, doc_ids_from_cu_seqlens, positions_from_cu_seqlens
+from ds_seqpar.layout import LayoutError, doc_ids_from_cu_seqlens, positions_from_cu_seqlens, ring_layout
 
 
 @pytest.mark.parametrize(
@@ -20,7 +20,7 @@ from ds_seqpar.layout import LayoutError, SeqLayout, doc_ids_from_cu_seqlens, po
     ],
 )
 def test_shard_unshard_round_trip_and_positions(kind, world, granularity):
-    layout = SeqLayout(kind, world, granularity)
+    layout = ring_layout(kind, world, granularity)
     seq_len = layout.multiple * 3
     x = torch.randn(2, seq_len, 3)
     shards = [layout.shard(x, r) for r in range(world)]
@@ -41,14 +41,14 @@ def test_shard_unshard_round_trip_and_positions(kind, world, granularity):
 
 
 def test_zigzag_and_stripe_positions_written_out():
-    assert SeqLayout("zigzag", 2).permutation(8).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
-    assert SeqLayout("stripe", 2).permutation(6).tolist() == [0, 2, 4, 1, 3, 5]
-    assert SeqLayout("stripe", 2, 2).permutation(8).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
-    assert SeqLayout("contiguous", 2).local_positions(6, 1).tolist() == [3, 4, 5]
+    assert ring_layout("zigzag", 2).permutation(8).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    assert ring_layout("stripe", 2).permutation(6).tolist() == [0, 2, 4, 1, 3, 5]
+    assert ring_layout("stripe", 2, 2).permutation(8).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert ring_layout("contiguous", 2).local_positions(6, 1).tolist() == [3, 4, 5]
 
 
 def test_shard_along_other_dims():
-    layout = SeqLayout("zigzag", 2)
+    layout = ring_layout("zigzag", 2)
     lse = torch.arange(2 * 3 * 8).reshape(2, 3, 8)  # [B, H, S]
     parts = [layout.shard(lse, r, dim=2) for r in range(2)]
     torch.testing.assert_close(layout.unshard(parts, dim=2), lse)
@@ -58,13 +58,13 @@ def test_shard_along_other_dims():
     ("layout", "seq_len", "message"),
     [
         (
-            SeqLayout("contiguous", 4),
+            ring_layout("contiguous", 4),
             10,
             r"sequence length 10 cannot be split by layout='contiguous' over 4 ranks: it must be a multiple of 4 \(ranks\); pad it to 12",
         ),
-        (SeqLayout("zigzag", 4), 12, r"it must be a multiple of 8 \(2 x 4 ranks\); pad it to 16"),
-        (SeqLayout("stripe", 2, 64), 100, r"multiple of 128 \(2 ranks x granularity 64\); pad it to 128"),
-        (SeqLayout("zigzag", 2), 0, r"sequence length 0 cannot be split.*pad it to 4"),
+        (ring_layout("zigzag", 4), 12, r"it must be a multiple of 8 \(2 x 4 ranks\); pad it to 16"),
+        (ring_layout("stripe", 2, 64), 100, r"multiple of 128 \(2 ranks x granularity 64\); pad it to 128"),
+        (ring_layout("zigzag", 2), 0, r"sequence length 0 cannot be split.*pad it to 4"),
     ],
 )
 def test_lengths_a_layout_cannot_split(layout, seq_len, message):
@@ -76,13 +76,13 @@ def test_bad_layout_arguments():
     with pytest.raises(
         LayoutError, match=r"layout='ring' is not a layout; valid: contiguous, zigzag, stripe"
     ):
-        SeqLayout("ring", 2)
+        ring_layout("ring", 2)
     with pytest.raises(LayoutError, match=r"granularity=4 only applies to layout='stripe'"):
-        SeqLayout("zigzag", 2, 4)
+        ring_layout("zigzag", 2, 4)
     with pytest.raises(LayoutError, match=r"rank=2 is outside the layout's 2 ranks; valid: 0\.\.1"):
-        SeqLayout("zigzag", 2).local_positions(8, 2)
+        ring_layout("zigzag", 2).local_positions(8, 2)
     with pytest.raises(LayoutError, match=r"unshard got 1 shards for a layout over 2 ranks"):
-        SeqLayout("zigzag", 2).unshard([torch.zeros(1, 4)])
+        ring_layout("zigzag", 2).unshard([torch.zeros(1, 4)])
 
 
 def test_packed_document_metadata():
@@ -102,4 +102,4 @@ def test_layout_error_is_public_and_a_value_error():
 
     assert ds_seqpar.LayoutError is LayoutError and issubclass(LayoutError, ValueError)
     with pytest.raises(ds_seqpar.LayoutError, match=r"sequence length 6 .* pad it to 8"):
-        SeqLayout("zigzag", 2).check_length(6)
+        ring_layout("zigzag", 2).check_length(6)

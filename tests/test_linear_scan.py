@@ -9,24 +9,20 @@ initial state (fp64 <= 1e-10). Bytes per ring hop are checked against one state 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from ds_seqpar import SeqParMesh, SequenceParallelConfig, input_layout
+from ds_seqpar import input_layout
 from ds_seqpar.ops.linear import linear_attention_reference
 from ds_seqpar.parallel.linear_scan import linear_attention
+from tests.helpers.cases import ScanCase
+from tests.helpers.meshes import mesh_for
+from tests.helpers.references import assert_within
 
 B, H, DK, DV = 2, 4, 4, 3
-
-_MESHES: dict[tuple, SeqParMesh] = {}
-
-
-def _mesh(world: int, u: int) -> SeqParMesh:
-    if (world, u) not in _MESHES:
-        _MESHES[(world, u)] = SeqParMesh.build(world, u)
-    return _MESHES[(world, u)]
 
 
 def _inputs(seq_len: int, decay: str, seed: int) -> dict[str, torch.Tensor | None]:
@@ -49,20 +45,14 @@ def _inputs(seq_len: int, decay: str, seed: int) -> dict[str, torch.Tensor | Non
     return t
 
 
-def run_linear_cases(cases: list[dict]) -> list[dict]:
+def run_linear_cases(cases: list[ScanCase]) -> list[dict]:
     world = dist.get_world_size()
     results = []
     for case in cases:
-        mesh = _mesh(world, case["u"])
-        mesh.config = SequenceParallelConfig(
-            size=world,
-            ulysses_degree=case["u"],
-            ring={"layout": case["layout"]},
-            linear={"scan": case["mode"], "blocks": case["blocks"], "chunk_size": case["chunk"]},
-        )
+        mesh = mesh_for(case.section(world))
         layout = input_layout(mesh)
-        seq_len = case["seq_len"]
-        t = _inputs(seq_len, case["decay"], case["seed"])
+        seq_len = case.seq_len
+        t = _inputs(seq_len, case.decay, case.seed)
         leaves = {n: x.clone().requires_grad_() for n, x in t.items() if n != "dout" and x is not None}
         ref, _ = linear_attention_reference(
             leaves["q"], leaves["k"], leaves["v"], leaves.get("decay"), leaves["init"], scale=0.5
@@ -107,50 +97,52 @@ def run_linear_cases(cases: list[dict]) -> list[dict]:
     return results
 
 
-def _check(cases: list[dict], results: list[list[dict]], world: int) -> None:
+def _check(cases: list[ScanCase], results: list[list[dict]], world: int) -> None:
     for i, case in enumerate(cases):
         per_rank = [r[i] for r in results]
         for rank, res in enumerate(per_rank):
-            assert all(e <= 1e-10 for e in res["errors"].values()), f"{case} rank {rank}: {res['errors']}"
+            assert_within(res["errors"], 1e-10, f"{case} rank {rank}")
         # replicated leaves (initial state, per-head decay): the SP group's gradients sum to the reference
         init = sum(r["grads"]["init"] for r in per_rank)
         assert (init - per_rank[0]["ref_init"]).abs().max() <= 1e-10, case
-        if case["decay"] == "scalar":
+        if case.decay == "scalar":
             decay = sum(r["grads"]["decay"] for r in per_rank)
             assert (decay - per_rank[0]["ref_decay"]).abs().max() <= 1e-10, case
         # bytes: one [B, H/U, d_k, d_v] state per hop and direction, whatever S is (All-Scan);
         # the all-gather mode receives every other rank's pieces instead
-        state = B * (H // case["u"]) * DK * DV * 8
-        ring = world // case["u"]
+        state = B * (H // case.u) * DK * DV * 8
+        ring = world // case.u
         for sp_rank, res in enumerate(per_rank):
-            r = sp_rank // case["u"]
-            if case["mode"] == "all_scan" and case["layout"] == "contiguous":
+            r = sp_rank // case.u
+            if case.mode == "all_scan" and case.layout == "contiguous":
                 assert res["p2p_fwd"] == (state if r < ring - 1 else 0), (case, sp_rank, res["p2p_fwd"])
                 assert res["p2p_bwd"] == (state if r > 0 else 0), (case, sp_rank, res["p2p_bwd"])
-            elif case["mode"] == "all_scan":  # zigzag: up the ranks, turn on rank R-1, back down
+            elif case.mode == "all_scan":  # zigzag: up the ranks, turn on rank R-1, back down
                 assert res["p2p_fwd"] == state * (2 if 0 < r < ring - 1 else (1 if ring > 1 else 0)), case
             else:
-                pieces = 2 if case["layout"] == "zigzag" else 1
-                per_piece = B * (H // case["u"]) * DK * (DV + 1) * 8  # state + log Gamma column
+                pieces = case.segments
+                per_piece = B * (H // case.u) * DK * (DV + 1) * 8  # state + log Gamma column
                 assert res["gather_fwd"] == pieces * per_piece * (ring - 1), case
 
 
-def _cases(p: int) -> list[dict]:
-    cases = []
+def _cases(p: int) -> list[ScanCase]:
     us = [u for u in (1, 2, 4) if p % u == 0 and H % u == 0]
-    for decay, blocks, layout in itertools.product(
-        ("none", "scalar", "token", "gate"), (1, 2, DK), ("contiguous", "zigzag")
-    ):
-        cases.append(dict(u=1, decay=decay, blocks=blocks, layout=layout, mode="all_scan", chunk=3))
-    for u, mode, layout in itertools.product(us, ("all_scan", "all_gather"), ("contiguous", "zigzag")):
-        cases.append(dict(u=u, decay="gate", blocks=2, layout=layout, mode=mode, chunk=4))
-    for u in us:
-        cases.append(dict(u=u, decay="token", blocks=2, layout="zigzag", mode="all_scan", chunk=4))
-    for layout in ("contiguous", "zigzag"):  # Mamba2's decay through the all-gather too
-        cases.append(dict(u=1, decay="token", blocks=1, layout=layout, mode="all_gather", chunk=3))
-    for i, case in enumerate(cases):
-        case.update(seq_len=6 * p * max(2, case["u"]), seed=i)
-    return cases
+    cases = [
+        ScanCase(decay=decay, blocks=blocks, layout=layout, chunk=3)
+        for decay, blocks, layout in itertools.product(
+            ("none", "scalar", "token", "gate"), (1, 2, DK), ("contiguous", "zigzag")
+        )
+    ]
+    cases += [
+        ScanCase(u=u, decay="gate", blocks=2, layout=layout, mode=mode)
+        for u, mode, layout in itertools.product(us, ("all_scan", "all_gather"), ("contiguous", "zigzag"))
+    ]
+    cases += [ScanCase(u=u, decay="token", blocks=2) for u in us]
+    cases += [  # Mamba2's decay through the all-gather too
+        ScanCase(decay="token", layout=layout, mode="all_gather", chunk=3)
+        for layout in ("contiguous", "zigzag")
+    ]
+    return [replace(case, seq_len=6 * p * max(2, case.u), seed=i) for i, case in enumerate(cases)]
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
@@ -159,13 +151,12 @@ def test_linear_scan_matches_sequential_recurrence(dist_pool, p):
     _check(cases, dist_pool(p).run(run_linear_cases, cases), p)
 
 
-def run_error_cases(cases: list[dict]) -> list[str]:
+def run_error_cases(cases: list[dict]) -> list[str]:  # a list of bad inputs, not a sweep
     """Bad inputs raise on every rank before any collective (the pool stays usable afterwards)."""
     world = dist.get_world_size()
     messages = []
     for case in cases:
-        mesh = _mesh(world, 1)
-        mesh.config = SequenceParallelConfig(size=world, ulysses_degree=1, ring=case["ring"])
+        mesh = mesh_for({"size": world, "ulysses_degree": 1, "ring": case["ring"]})
         q = torch.randn(1, 8, H, DK, dtype=torch.float64)
         try:
             linear_attention(
@@ -190,12 +181,12 @@ def test_bad_inputs_fail_before_communication(dist_pool):
 
 
 def test_unsupported_recurrent_layers_are_named():
-    from ds_seqpar.integrations.linear_models import route_linear_layers
+    from ds_seqpar.integrations.recurrent_layers import route_recurrent_layers
 
     class TinyGatedDeltaNet(torch.nn.Module):
         pass
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), TinyGatedDeltaNet())
     with pytest.raises(TypeError, match=r"Sequential\.1 is a TinyGatedDeltaNet"):
-        route_linear_layers(model)
-    assert route_linear_layers(torch.nn.Sequential(torch.nn.Linear(2, 2))) == 0
+        route_recurrent_layers(model)
+    assert route_recurrent_layers(torch.nn.Sequential(torch.nn.Linear(2, 2))) == 0

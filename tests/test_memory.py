@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_seqpar.config import SeqParConfigError, SequenceParallelConfig, load_config
+from ds_seqpar.config import SeqParConfigError, load_config
 from ds_seqpar.memory import HostStore, LayerCheckpoint, TilePlan
 from ds_seqpar.memory.tiled_mlp import find_mlps, tile_bounds, tile_mlps
-from tests.hf_models import tiny_model
+from tests.helpers.hf_models import tiny_model
 
 
 def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -191,8 +191,7 @@ def _checkpointed_model_case() -> dict:
     results = {}
     for key, memory in [("plain", {}), ("checkpointed", {"activation_checkpointing": True, "offload": True})]:
         model = copy.deepcopy(base)
-        mesh = SeqParMesh.build(1, 1)
-        mesh.config = SequenceParallelConfig(size=1, ulysses_degree=1, memory=memory)
+        mesh = SeqParMesh.from_config({"size": 1, "ulysses_degree": 1, "memory": memory})
         sp = SeqParCausalLM(model, mesh).train()
         calls: list[int] = []
         for layer in model.model.layers:
@@ -260,8 +259,7 @@ def _pipelined_peaks() -> dict:
     q, k, v = (torch.randn(1, 2048, 8, 16, generator=g) for _ in range(3))
     out: dict[str, dict[int, int]] = {"no_grad": {}, "backward": {}}
     for chunks in (1, 4):
-        mesh = SeqParMesh.build(2, 2)
-        mesh.config = SequenceParallelConfig(size=2, ulysses_degree=2, ulysses_chunks=chunks)
+        mesh = SeqParMesh.from_config({"size": 2, "ulysses_degree": 2, "ulysses_chunks": chunks})
         with torch.no_grad(), LiveBytes() as mode:
             ds_seqpar.attention(q, k, v, mesh=mesh)
         out["no_grad"][chunks] = mode.peak
@@ -342,16 +340,14 @@ def _graph_node(root, name: str):
 
 def _ring_buffers_case() -> dict:
     import ds_seqpar
-    from ds_seqpar import SeqParMesh
-    from ds_seqpar.comm.p2p import RingSchedule
-    from ds_seqpar.layout import input_layout
-    from ds_seqpar.ops.reference import dense_attention_reference
+    from ds_seqpar import SeqParMesh, input_layout
+    from ds_seqpar.comm.schedules.ring import RingSchedule
+    from ds_seqpar.ops.attention.reference import dense_attention_reference
 
     g = torch.Generator().manual_seed(0)
     s = 64
     q, k, v = (torch.randn(1, s, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
-    mesh = SeqParMesh.build(2, 1)
-    mesh.config = SequenceParallelConfig(size=2, ulysses_degree=1, ring={"layout": "zigzag"})
+    mesh = SeqParMesh.from_config({"size": 2, "ulysses_degree": 1, "ring": {"layout": "zigzag"}})
     idx = input_layout(mesh).local_positions(s, mesh.coords.sp_rank)
     leaves = [t[:, idx].clone().requires_grad_() for t in (q, k, v)]
     out = ds_seqpar.attention(*leaves, mesh=mesh)
@@ -370,5 +366,5 @@ def _ring_buffers_case() -> dict:
     mask = torch.ones(s, s, dtype=torch.bool).tril()
     ref_out, _ = dense_attention_reference(*ref, mask)
     ref_out.backward(dout)
-    err = max((a.grad - b.grad[:, idx]).abs().max().item() for a, b in zip(leaves, ref))
+    err = max((a.grad - b.grad[:, idx]).abs().max().item() for a, b in zip(leaves, ref, strict=True))
     return {"pooled_after": pooled, "ring_saved": ring_saved, "max_err": err}

@@ -72,16 +72,15 @@ def traced_step_vs_model(seq_lens: list[int], memory: dict) -> list[tuple[int, f
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ds_seqpar import SeqParCausalLM, SeqParMesh, SequenceParallelConfig, shard_batch
-    from ds_seqpar.config import auto_ulysses_degree
+    from ds_seqpar import SeqParCausalLM, SeqParMesh, shard_batch
+    from ds_seqpar.settings import auto_ulysses_degree
 
     world = dist.get_world_size()
     torch.manual_seed(0)
     cfg = AutoConfig.from_pretrained("assets/tiny-llama")
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
     u = auto_ulysses_degree(world, cfg.num_attention_heads, cfg.num_key_value_heads)
-    mesh = SeqParMesh.build(world, u)
-    mesh.config = SequenceParallelConfig(size=world, ulysses_degree=u, memory=memory)
+    mesh = SeqParMesh.from_config({"size": world, "ulysses_degree": u, "memory": memory})
     sp = SeqParCausalLM(model, mesh).train()
     opt = torch.optim.AdamW(sp.parameters(), lr=1e-4)
     rows = []
@@ -97,7 +96,7 @@ def traced_step_vs_model(seq_lens: list[int], memory: dict) -> list[tuple[int, f
                         dist.all_reduce(p.grad)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        est = memory_estimate(cfg, seq_len, mesh.config, zero_stage=0)
+        est = memory_estimate(cfg, seq_len, mesh.settings, zero_stage=0)
         rows.append((seq_len, mode.peak / 2**20, est.step_bytes() / 2**20))
     return rows
 

@@ -112,13 +112,13 @@ def test_every_rank_is_in_exactly_one_group_of_each_kind():
 
 def test_plan_rejects_bad_sizes_with_valid_values():
     with pytest.raises(
-        SeqParConfigError, match=r"size=3 does not divide the world size 8; valid: 1, 2, 4, 8"
+        SeqParConfigError, match=r"size=3 does not divide the world size 8 .*; valid: 1, 2, 4, 8"
     ):
         plan_mesh(8, 3)
     with pytest.raises(SeqParConfigError, match=r"ulysses_degree=3 does not divide size=4; valid: 1, 2, 4"):
         plan_mesh(8, 4, 3)
     with pytest.raises(
-        SeqParConfigError, match=r"inner_size=3 does not divide the ring degree R=4; valid: 1, 2, 4"
+        SeqParConfigError, match=r"inner_size=3 does not divide the ring degree R=4 .*; valid: null, 1, 2, 4"
     ):
         plan_mesh(8, 8, 2, 3)
 

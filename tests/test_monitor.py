@@ -13,9 +13,9 @@ import pytest
 import torch.distributed as dist
 
 from ds_seqpar import SeqParConfigError
-from ds_seqpar.cli import DEFAULT_CONFIG, _Log, parse_args
+from ds_seqpar.cli import DEFAULT_CONFIG, RunLog, parse_args
 from ds_seqpar.plot import main as plot_main
-from tests.test_train_cli import run_cli
+from tests.helpers.cli_runs import run_cli
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -70,7 +70,7 @@ def test_log_sends_every_numeric_column_as_an_event(tmp_path):
     row = {"step": 4, "loss": 1.5, "tokens_per_s": 10.0, "seq_len": 256, "comm_MiB": 0.5, "step_time_s": 0.1,
            "max_rss_MiB": 500.0, "sparse_rho_s_max": 1.25, "sparse_density": 0.4, "sparse_layers": 2}  # fmt: skip
     for rank in (0, 1):
-        log = _Log(args, rank, 0, engine)
+        log = RunLog(args, rank, 0, engine)
         log.step(row)
         log.record({"step": 4, "eval_loss": 2.0, "eval_accuracy": 0.5, "flag": True})
         log.close()
@@ -79,7 +79,7 @@ def test_log_sends_every_numeric_column_as_an_event(tmp_path):
         [("ds_seqpar/step", 4, 8), ("ds_seqpar/eval_loss", 2.0, 8), ("ds_seqpar/eval_accuracy", 0.5, 8)],
     ]
     engine.monitor.enabled = False  # DeepSpeed's MonitorMaster with no section enabled
-    log = _Log(args, 0, 0, engine)
+    log = RunLog(args, 0, 0, engine)
     log.step(row)
     log.close()
     assert len(events) == 2 and len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3

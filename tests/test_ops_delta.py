@@ -1,4 +1,4 @@
-"""The gated delta rule in chunk form (``ops/delta.py``) and the causal conv1d op (``ops/conv.py``), one process.
+"""The gated delta rule in chunk form (``ops/delta/``) and the causal conv1d op (``ops/conv.py``), one process.
 
 The chunk form and the piece decomposition (transition M, offset N, entering-state correction) equal
 the token-by-token recurrence in fp64 for every decay kind and chunk size; gradcheck passes through
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ds_seqpar.ops import delta
 from ds_seqpar.ops.conv import causal_conv1d
+from ds_seqpar.ops.delta import chunk as delta_chunk
 from ds_seqpar.ops.delta import (
     chunk_delta_rule,
     delta_piece,
@@ -21,6 +22,7 @@ from ds_seqpar.ops.delta import (
     piece_outputs,
     piece_transition,
 )
+from tests.helpers.fla import use_stand_in
 
 B, H, DK, DV = 2, 3, 5, 4
 
@@ -147,7 +149,7 @@ def _fake_fla(wrong: bool = False):
         assert use_qk_l2norm_in_kernel is False  # ds_seqpar normalises q and k as the model does, not fla
         calls.append(g.dim())
         out, state = delta.piece_outputs(
-            delta._torch_piece(q, k, v, beta, g.to(q.dtype), 16, scale), initial_state
+            delta_chunk._torch_piece(q, k, v, beta, g.to(q.dtype), 16, scale), initial_state
         )
         return (out * 0 if wrong else out.to(q.dtype)), state
 
@@ -157,9 +159,7 @@ def _fake_fla(wrong: bool = False):
 @pytest.mark.parametrize("decay", ["none", "gdn", "kda"])
 def test_fused_path_is_used_when_it_agrees(monkeypatch, decay):
     kernel, calls = _fake_fla()
-    monkeypatch.setattr(delta, "FUSED_DEVICES", ("cpu",))
-    monkeypatch.setattr(delta, "_fla_kernel", lambda kind: kernel)
-    monkeypatch.setattr(delta, "_FLA_CHECKED", {})
+    use_stand_in(monkeypatch, kernel)
     q, k, v, beta, g, init = _inputs(37, decay, seed=6)
     monkeypatch.setenv("DS_SEQPAR_NO_FLA", "1")
     ref_piece = delta_piece(q, k, v, beta, g, 8, scale=0.5)
@@ -178,9 +178,7 @@ def test_fused_path_is_used_when_it_agrees(monkeypatch, decay):
 
 def test_fused_path_that_disagrees_is_refused_with_a_warning(monkeypatch):
     kernel, calls = _fake_fla(wrong=True)
-    monkeypatch.setattr(delta, "FUSED_DEVICES", ("cpu",))
-    monkeypatch.setattr(delta, "_fla_kernel", lambda kind: kernel)
-    monkeypatch.setattr(delta, "_FLA_CHECKED", {})
+    use_stand_in(monkeypatch, kernel)
     q, k, v, beta, g, init = _inputs(20, "gdn", seed=7)
     with pytest.warns(UserWarning, match="disagrees with ds_seqpar"):
         out, _ = chunk_delta_rule(q, k, v, beta, g, init, 8)

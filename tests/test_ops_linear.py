@@ -26,6 +26,7 @@ from ds_seqpar.ops.linear import (
     linear_attention_reference,
     local_scan,
 )
+from tests.helpers.fla import use_stand_in
 
 B, H, DK, DV = 2, 3, 4, 5
 KINDS = ["none", "scalar", "gate"]
@@ -416,9 +417,7 @@ def _fake_fla(wrong: bool = False):
 @pytest.mark.parametrize("decay", ["none", "scalar", "gate"])
 def test_fused_path_is_used_when_it_agrees(monkeypatch, decay):
     kernel, calls = _fake_fla()
-    monkeypatch.setattr(linear, "FUSED_DEVICES", ("cpu",))
-    monkeypatch.setattr(linear, "_fla_kernel", lambda kind: kernel)
-    monkeypatch.setattr(linear, "_FLA_CHECKED", {})
+    use_stand_in(monkeypatch, kernel)
     q, k, v = (torch.randn(2, 37, 3, 8, dtype=torch.float64) for _ in range(3))
     log_decay = {
         "none": None,
@@ -436,9 +435,7 @@ def test_fused_path_is_used_when_it_agrees(monkeypatch, decay):
 
 def test_fused_path_that_disagrees_is_refused_with_a_warning(monkeypatch):
     kernel, calls = _fake_fla(wrong=True)
-    monkeypatch.setattr(linear, "FUSED_DEVICES", ("cpu",))
-    monkeypatch.setattr(linear, "_fla_kernel", lambda kind: kernel)
-    monkeypatch.setattr(linear, "_FLA_CHECKED", {})
+    use_stand_in(monkeypatch, kernel)
     q, k, v = (torch.randn(1, 20, 2, 4) for _ in range(3))
     with pytest.warns(UserWarning, match="disagrees with ds_seqpar"):
         got = linear.local_scan(q, k, v, None, 8)

@@ -1,4 +1,4 @@
-"""Vertical-slash pattern, sparse block kernel and balance metrics, single process (ops/sparse.py)."""
+"""Vertical-slash pattern, sparse block kernel and balance metrics, single process (ops/sparse/)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from ds_seqpar import SeqParConfigError, SequenceParallelConfig
-from ds_seqpar.layout import BlockLayout, SeqLayout, doc_ids_from_cu_seqlens
+from ds_seqpar.layout import BlockLayout, doc_ids_from_cu_seqlens, ring_layout
 from ds_seqpar.ops.masks import MaskSpec
-from ds_seqpar.ops.merge import merge_attn_
 from ds_seqpar.ops.sparse import (
     SparsePattern,
     VerticalSlashBudget,
@@ -19,86 +18,22 @@ from ds_seqpar.ops.sparse import (
     diagonals_to_blocks,
     estimate_pattern,
     imbalance_ratio,
-    sparse_attention_reference,
     sparse_attn_forward,
 )
-from ds_seqpar.ops.sparse_kernels import SPARSE_KERNELS
 from ds_seqpar.parallel.activation import sparse_layer_active
 from ds_seqpar.parallel.sparse_ring import balance_blocks, balance_heads, block_owner
+from tests.helpers.sparse import sharded_sparse, small_budget, sparse_qkv, sparse_reference
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 CAUSAL = MaskSpec()
 
 
-def _qkv(b: int, s: int, h: int, h_kv: int, d: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(b, s, n, d, generator=g, dtype=torch.float64).to(dtype) for n in (h, h_kv, h_kv, h)]
-
-
-def _budget(block: int) -> VerticalSlashBudget:
-    return VerticalSlashBudget(0.04, 0.04, block, last_q=16, sink_tokens=3, local_diagonals=5)
-
-
-def _sharded(q, k, v, dout, pattern, layout, spec=CAUSAL, docs=None, kernel="blocks", softcap=None):
-    """Run the sparse kernel ``kernel`` (``SPARSE_KERNELS``) on every (query shard, key shard) pair of
-    ``layout``; reassemble out, lse and the gradients."""
-    kern = SPARSE_KERNELS[kernel]
-    s = q.shape[1]
-    scale = q.shape[-1] ** -0.5
-    out, lse = (
-        torch.zeros_like(q, dtype=torch.float64),
-        torch.zeros(q.shape[0], q.shape[2], s, dtype=torch.float64),
-    )
-    dq, dk, dv = (torch.zeros_like(t, dtype=torch.float64) for t in (q, k, v))
-    pairs = 0
-    shard_docs = (lambda r: None) if docs is None else (lambda r: layout.shard(docs, r, dim=-1))
-    for r in range(layout.world):
-        qp = layout.local_positions(s, r)
-        o = torch.zeros(q.shape[0], qp.numel(), q.shape[2], q.shape[3], dtype=torch.float64)
-        lr = torch.full((q.shape[0], q.shape[2], qp.numel()), float("-inf"), dtype=torch.float64)
-        for j in range(layout.world):
-            kp = layout.local_positions(s, j)
-            ob, lb, n = kern.forward(
-                q[:, qp],
-                k[:, kp],
-                v[:, kp],
-                qp,
-                kp,
-                pattern,
-                scale=scale,
-                spec=spec,
-                q_doc=shard_docs(r),
-                k_doc=shard_docs(j),
-                softcap=softcap,
-            )
-            merge_attn_(o, lr, ob.double(), lb.double())
-            pairs += n or 0
-        for j in range(layout.world):
-            kp = layout.local_positions(s, j)
-            gq, gk, gv = kern.backward(
-                dout[:, qp], q[:, qp], k[:, kp], v[:, kp], o.to(q.dtype), lr, qp, kp, pattern,
-                scale=scale, spec=spec, q_doc=shard_docs(r), k_doc=shard_docs(j), softcap=softcap,
-            )  # fmt: skip
-            dq[:, qp] += gq.double()
-            dk[:, kp] += gk.double()
-            dv[:, kp] += gv.double()
-        out[:, qp], lse[:, :, qp] = o, lr
-    return out, lse, dq, dk, dv, pairs
-
-
-def _reference(q, k, v, dout, pattern, spec=CAUSAL, docs=None, softcap=None):
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out, lse = sparse_attention_reference(q64, k64, v64, pattern, spec=spec, doc_ids=docs, softcap=softcap)
-    out.backward(dout.double())
-    return out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
-
-
 LAYOUTS = [
-    SeqLayout("stripe", 4, 8),
-    SeqLayout("zigzag", 4),
-    SeqLayout("contiguous", 2),
-    SeqLayout("stripe", 3, 1),  # token stripes: not block aligned -> exact token-masked path
-    SeqLayout("contiguous", 1),
+    ring_layout("stripe", 4, 8),
+    ring_layout("zigzag", 4),
+    ring_layout("contiguous", 2),
+    ring_layout("stripe", 3, 1),  # token stripes: not block aligned -> exact token-masked path
+    ring_layout("contiguous", 1),
 ]
 
 
@@ -107,28 +42,28 @@ LAYOUTS = [
 )
 def test_kernel_matches_reference(layout, dtype, h_kv):
     s = 96 if layout.world == 3 else 128
-    q, k, v, dout = _qkv(2, s, 4, h_kv, 8, dtype)
+    q, k, v, dout = sparse_qkv(2, s, 4, h_kv, 8, dtype)
     pos = torch.arange(s)
-    pattern = estimate_pattern(q, k, pos, pos, s, _budget(8))
-    got = _sharded(q, k, v, dout, pattern, layout)
-    ref = _reference(q, k, v, dout, pattern)
-    for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref, strict=False):
+    pattern = estimate_pattern(q, k, pos, pos, s, small_budget(8))
+    got = sharded_sparse(q, k, v, dout, pattern, layout)
+    ref = sparse_reference(q, k, v, dout, pattern)
+    for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got.tensors(), ref, strict=True):
         assert (g - r).abs().max().item() <= TOL[dtype], (name, layout)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS[:3])
 def test_kernel_with_window_and_packed_documents(layout):
     s = 128
-    q, k, v, dout = _qkv(2, s, 4, 2, 8, torch.float64, seed=3)
+    q, k, v, dout = sparse_qkv(2, s, 4, 2, 8, torch.float64, seed=3)
     pos = torch.arange(s)
-    pattern = estimate_pattern(q, k, pos, pos, s, _budget(8))
+    pattern = estimate_pattern(q, k, pos, pos, s, small_budget(8))
     docs = torch.stack(
         [doc_ids_from_cu_seqlens([0, 17, 70, 120], s), doc_ids_from_cu_seqlens([0, 64, 128], s)]
     )
     spec = MaskSpec(window=40)
-    got = _sharded(q, k, v, dout, pattern, layout, spec, docs)
-    ref = _reference(q, k, v, dout, pattern, spec, docs)
-    for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref, strict=False):
+    got = sharded_sparse(q, k, v, dout, pattern, layout, spec, docs)
+    ref = sparse_reference(q, k, v, dout, pattern, spec, docs)
+    for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), got.tensors(), ref, strict=True):
         finite = torch.isfinite(r)
         assert torch.equal(torch.isfinite(g), finite), name
         assert (g[finite] - r[finite]).abs().max().item() <= 1e-10, name
@@ -136,24 +71,24 @@ def test_kernel_with_window_and_packed_documents(layout):
 
 def test_pattern_broadcast_over_rows_and_pairs_match_block_work():
     s, g = 256, 16
-    q, k, v, dout = _qkv(1, s, 4, 4, 8, torch.float64, seed=5)
+    q, k, v, dout = sparse_qkv(1, s, 4, 4, 8, torch.float64, seed=5)
     pos = torch.arange(s)
-    pattern = estimate_pattern(q, k, pos, pos, s, _budget(g))
-    layout = SeqLayout("stripe", 4, g)
-    pairs = _sharded(q, k, v, dout, pattern, layout)[-1]
+    pattern = estimate_pattern(q, k, pos, pos, s, small_budget(g))
+    layout = ring_layout("stripe", 4, g)
+    pairs = sharded_sparse(q, k, v, dout, pattern, layout).pairs
     work = block_work(pattern, block_owner(layout, s, g), 4)
     assert pairs == int(work.sum())
     q2, k2, v2, dout2 = (torch.cat([t, t]) for t in (q, k, v, dout))  # B=2 rows sharing a B=1 pattern
-    got = _sharded(q2, k2, v2, dout2, pattern, layout)
-    ref = _reference(q2, k2, v2, dout2, pattern)
+    got = sharded_sparse(q2, k2, v2, dout2, pattern, layout)
+    ref = sparse_reference(q2, k2, v2, dout2, pattern)
     assert (got[0] - ref[0]).abs().max() <= 1e-10
 
 
 def test_visible_matches_definition():
     s, g = 40, 8
-    q, k, _, _ = _qkv(1, s, 2, 2, 4, torch.float64)
+    q, k, _, _ = sparse_qkv(1, s, 2, 2, 4, torch.float64)
     pos = torch.arange(s)
-    pattern = estimate_pattern(q, k, pos, pos, s, _budget(g))
+    pattern = estimate_pattern(q, k, pos, pos, s, small_budget(g))
     vis = pattern.visible(pos, pos)
     for h, i, j in itertools.product(range(2), range(s), range(s)):
         expected = j <= i and (bool(pattern.slash[0, h, i // g - j // g]) or bool(pattern.vertical[0, h, j]))
@@ -174,7 +109,7 @@ def test_diagonals_to_blocks_is_the_set_of_crossed_blocks():
 
 def test_estimate_forces_sinks_and_local_diagonals_and_respects_budgets():
     s, g = 128, 8
-    q, k, _, _ = _qkv(1, s, 2, 1, 8, torch.float64, seed=9)
+    q, k, _, _ = sparse_qkv(1, s, 2, 1, 8, torch.float64, seed=9)
     pos = torch.arange(s)
     budget = VerticalSlashBudget(10, 6, g, last_q=16, sink_tokens=3, local_diagonals=12)
     pattern = estimate_pattern(q, k, pos, pos, s, budget)
@@ -187,21 +122,21 @@ def test_estimate_forces_sinks_and_local_diagonals_and_respects_budgets():
 
 def test_imbalance_ratio_orders_layouts():
     s, g = 512, 16
-    q, k, _, _ = _qkv(1, s, 4, 4, 8, torch.float64, seed=11)
+    q, k, _, _ = sparse_qkv(1, s, 4, 4, 8, torch.float64, seed=11)
     pos = torch.arange(s)
-    pattern = estimate_pattern(q, k, pos, pos, s, _budget(g))
+    pattern = estimate_pattern(q, k, pos, pos, s, small_budget(g))
     heads = [[0, 1, 2, 3]]
     rho = {
         kind: imbalance_ratio(block_work(pattern, block_owner(layout, s, g), 4), heads)
         for kind, layout in (
-            ("contiguous", SeqLayout("contiguous", 4)),
-            ("stripe", SeqLayout("stripe", 4, g)),
+            ("contiguous", ring_layout("contiguous", 4)),
+            ("stripe", ring_layout("stripe", 4, g)),
         )
     }
     assert rho["stripe"] < rho["contiguous"]
     assert rho["stripe"] >= 1.0
     assert imbalance_ratio(torch.ones(2, 3, 3), [[0], [1]]) == pytest.approx(1.0)
-    assert block_owner(SeqLayout("stripe", 4, 1), s, g) is None  # token stripes split blocks
+    assert block_owner(ring_layout("stripe", 4, 1), s, g) is None  # token stripes split blocks
 
 
 def test_balance_heads_keeps_gqa_groups_and_equal_counts():
@@ -224,7 +159,8 @@ def test_layer_selection_and_warmup():
     assert sparse_layer_active(cfg.sparse, 1, step=5)
     assert not sparse_layer_active(cfg.sparse, 2, step=9)
     assert not sparse_layer_active(cfg.sparse, None, step=9)
-    assert SequenceParallelConfig(size=2, attention="sparse_ring").ring_layout == ("stripe", 128)
+    ring = SequenceParallelConfig(size=2, ulysses_degree=1, attention="sparse_ring").validate().ring
+    assert (ring.layout, ring.granularity) == ("stripe", 128)
 
 
 def _pattern(s: int = 32, g: int = 8) -> SparsePattern:
@@ -241,13 +177,13 @@ def _pattern(s: int = 32, g: int = 8) -> SparsePattern:
         (lambda: SparsePattern(torch.zeros(1, 2, 32, dtype=torch.bool), torch.ones(1, 2, 5, dtype=torch.bool), 8),
          "5 block diagonals but S=32"),
         (lambda: SparsePattern(torch.zeros(1, 2, 32), torch.ones(1, 2, 4, dtype=torch.bool), 8), "must be bool"),
-        (lambda: sparse_attn_forward(*_qkv(1, 32, 2, 2, 4, torch.float64)[:3], torch.arange(32), torch.arange(32),
+        (lambda: sparse_attn_forward(*sparse_qkv(1, 32, 2, 2, 4, torch.float64)[:3], torch.arange(32), torch.arange(32),
                                      _pattern(), scale=0.5, spec=MaskSpec(causal=False)), "is causal"),
-        (lambda: sparse_attn_forward(*_qkv(1, 32, 4, 2, 4, torch.float64)[:3], torch.arange(32), torch.arange(32),
+        (lambda: sparse_attn_forward(*sparse_qkv(1, 32, 4, 2, 4, torch.float64)[:3], torch.arange(32), torch.arange(32),
                                      _pattern(), scale=0.5), "covers B=1, H=2"),
-        (lambda: sparse_attn_forward(*_qkv(1, 32, 2, 2, 4, torch.float64)[:3], torch.arange(32) + 8,
+        (lambda: sparse_attn_forward(*sparse_qkv(1, 32, 2, 2, 4, torch.float64)[:3], torch.arange(32) + 8,
                                      torch.arange(32), _pattern(), scale=0.5), "positions reach 39"),
-        (lambda: sparse_attn_forward(*_qkv(1, 32, 2, 2, 4, torch.float64)[:3], torch.arange(16), torch.arange(32),
+        (lambda: sparse_attn_forward(*sparse_qkv(1, 32, 2, 2, 4, torch.float64)[:3], torch.arange(16), torch.arange(32),
                                      _pattern(), scale=0.5), "1-D global positions"),
     ],
 )  # fmt: skip
@@ -292,16 +228,17 @@ def test_sparse_config_accepts_balancing_none_with_any_layout():
         ring={"layout": "zigzag"},
         sparse={"balancing": "none", "block_size": 32},
     )
-    assert cfg.ring_layout == ("zigzag", 1)
+    ring = cfg.validate({"num_attention_heads": 4}).ring
+    assert (ring.layout, ring.granularity) == ("zigzag", 1)
 
 
 def test_block_row_work_sums_to_block_work_and_balance_blocks_evens_load():
     s, g = 512, 16
-    q, k, _, _ = _qkv(1, s, 4, 4, 8, torch.float64, seed=13)
+    q, k, _, _ = sparse_qkv(1, s, 4, 4, 8, torch.float64, seed=13)
     pos = torch.arange(s)
-    pattern = estimate_pattern(q, k, pos, pos, s, _budget(g))
+    pattern = estimate_pattern(q, k, pos, pos, s, small_budget(g))
     rows = block_row_work(pattern)
-    stripe = block_owner(SeqLayout("stripe", 4, g), s, g)
+    stripe = block_owner(ring_layout("stripe", 4, g), s, g)
     assert float(rows.sum()) == pytest.approx(float(block_work(pattern, stripe, 4).sum()))
     owner = balance_blocks(rows, stripe, 4, reward=0.0)
     assert torch.bincount(owner, minlength=4).tolist() == [8, 8, 8, 8]  # equal counts

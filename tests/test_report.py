@@ -13,8 +13,10 @@ import torch
 
 from ds_seqpar import SequenceParallelConfig, plan_mesh, report
 from ds_seqpar.ops.attention import KERNELS
-from ds_seqpar.ops.sparse_kernels import SPARSE_KERNELS
+from ds_seqpar.ops.sparse.kernels import SPARSE_KERNELS
 from ds_seqpar.parallel.comm_volume import attention_layer_bytes
+from ds_seqpar.report import mesh as mesh_section
+from ds_seqpar.report.text import fmt_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 USP = str(REPO / "ds_configs" / "usp_zero3.json")
@@ -78,8 +80,8 @@ def test_usp_config_on_8_ranks_prints_the_mesh_and_bytes(monkeypatch, capsys):
     assert "  ulysses     [0, 1] [2, 3] [4, 5] [6, 7]\n" in out
     assert "  ring        [0, 2] [1, 3] [4, 6] [5, 7]\n" in out
     assert "  dp          [0, 4] [1, 5] [2, 6] [3, 7]\n" in out
-    section = SequenceParallelConfig(size=4, ulysses_degree=2)
-    layer = attention_layer_bytes(section, 4096, 4, 2, 16, element_bytes=4)  # bf16 off: fp32
+    settings = SequenceParallelConfig(size=4, ulysses_degree=2).validate()
+    layer = attention_layer_bytes(settings, 4096, 4, 2, 16, element_bytes=4)  # bf16 off: fp32
     assert f"({layer.forward['all_to_all']:,} B)" in out and f"({layer.backward['p2p']:,} B)" in out
     assert "S=4096, B=1, H=4, H_kv=2, D=16, float32" in out
 
@@ -92,9 +94,9 @@ def test_world_defaults_to_world_size_then_the_section(monkeypatch):
 
 
 def test_large_worlds_print_the_first_groups_only():
-    lines = report.group_lines(plan_mesh(128, 4, 2))
+    lines = mesh_section.group_lines(plan_mesh(128, 4, 2))
     sp = next(line for line in lines if line.startswith("  sp "))
-    assert sp.endswith("... (32 groups of 4)") and sp.count("[") == report.SHOWN_GROUPS
+    assert sp.endswith("... (32 groups of 4)") and sp.count("[") == mesh_section.SHOWN_GROUPS
     sp_dp = next(line for line in lines if line.startswith("  sp_dp "))
     assert "[0, 1, 2, 3, 4, 5, 6, 7, ... +120]" in sp_dp
 
@@ -143,4 +145,4 @@ def test_topology_schedules_print_their_structure_and_link_classes(monkeypatch, 
     # member 1 of a team: the skew hop and 3 sub-ring hops of a team block (2 x 256 tokens x H_kv 2 x D 16,
     # K and V, fp32) cross nodes; the team's gathers and merge stay inside
     block = 2 * 256 * 2 * 16 * 2 * 4
-    assert f"inter-node  forward {report._fmt_bytes(4 * block)}" in out
+    assert f"inter-node  forward {fmt_bytes(4 * block)}" in out

@@ -8,86 +8,63 @@ max abs errors of its shard. Many cases run inside one spawned group per world s
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
 
-import ds_seqpar.parallel.ring as ring_module
 from ds_seqpar import SeqParMesh
-from ds_seqpar.comm.p2p import RingComm, RingSchedule
-from ds_seqpar.layout import SeqLayout, doc_ids_from_cu_seqlens
+from ds_seqpar.comm.p2p import RingComm
+from ds_seqpar.comm.schedules.ring import RingSchedule
+from ds_seqpar.layout import ring_layout
 from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward
 from ds_seqpar.ops.masks import BlockKind, MaskSpec, token_mask
-from ds_seqpar.ops.reference import dense_attention_reference
-from ds_seqpar.parallel.comm_volume import ring_bytes
+from ds_seqpar.ops.precision import accumulation_dtype
 from ds_seqpar.parallel.ring import OutputDelta, RingPlan, WorkCounter, build_schedule, ring_attention
-
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
-B, H, D = 2, 4, 8
-
-
-def _inputs(seq_len: int, h_kv: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, seq_len, H, D, generator=g, dtype=torch.float64)
-    k = torch.randn(B, seq_len, h_kv, D, generator=g, dtype=torch.float64)
-    v = torch.randn(B, seq_len, h_kv, D, generator=g, dtype=torch.float64)
-    dout = torch.randn(B, seq_len, H, D, generator=g, dtype=torch.float64)
-    return [t.to(dtype) for t in (q, k, v, dout)]
+from ds_seqpar.parallel.ring.plan import step_tasks, tokens
+from ds_seqpar.parallel.ring.tasks import BlockTask, backward_tiles, window_tile
+from tests.helpers.cases import AttentionCase
+from tests.helpers.references import TOL, B, D, H, assert_within, dense_reference, qkv_inputs
 
 
-def _reference(q, k, v, dout, spec, docs):
-    """Dense fp64 reference on the whole sequence: out, lse, dq, dk, dv."""
-    seq_len = q.shape[1]
-    pos = torch.arange(seq_len)
-    mask = token_mask(pos, pos, spec) if docs is None else token_mask(pos, pos, spec, docs, docs)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out, lse = dense_attention_reference(q64, k64, v64, mask)
-    out.backward(dout.double())
-    return out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
-
-
-def run_ring_cases(cases: list[dict]) -> list[dict]:
+def run_ring_cases(cases: list[AttentionCase]) -> list[dict]:
     """Run every case on this rank; return max abs errors of this rank's shard per case."""
     results = []
     meshes: dict[tuple, SeqParMesh] = {}
     for case in cases:
-        key = (case["ring_inner"],)
+        key = (case.inner,)
         if key not in meshes:
             world = torch.distributed.get_world_size()
-            meshes[key] = SeqParMesh.build(world, 1, case["ring_inner"])
+            meshes[key] = SeqParMesh.build(world, 1, case.inner)
         mesh = meshes[key]
         r = mesh.ring_size
-        layout = SeqLayout(case["layout"], r, case.get("granularity", 1))
-        seq_len = case["seq_len"]
-        spec = MaskSpec(causal=case["causal"], window=case.get("window"))
-        docs = doc_ids_from_cu_seqlens(case["cu_seqlens"], seq_len) if case.get("cu_seqlens") else None
-        dtype = case["dtype"]
-        q, k, v, dout = _inputs(seq_len, case["h_kv"], dtype, case["seed"])
-        ref = _reference(q, k, v, dout, spec, docs)
+        layout = ring_layout(case.layout, r, case.granularity)
+        seq_len = case.seq_len
+        spec, docs = case.spec, case.doc_ids()
+        dtype = case.dtype
+        q, k, v, dout = qkv_inputs(seq_len, case.h_kv, dtype, case.seed)
+        ref = dense_reference(q, k, v, dout, spec, docs)
         me = mesh.coords.ring_rank
         ql, kl, vl, dl = (
             layout.shard(t, me).detach().clone().requires_grad_(t is not dout) for t in (q, k, v, dout)
         )
         plan = RingPlan(
-            build_schedule(mesh, case.get("schedule", "p2p"), case.get("overlap", True)),
+            build_schedule(mesh, case.schedule, case.overlap),
             layout,
             spec,
             docs,
-            case.get("kernel", "auto"),
+            case.kernel,
             WorkCounter(),
+            backward_tile=case.tile_min,
         )
-        delta = OutputDelta() if case.get("delta") else None  # the backward then runs on rowsum(dout * out)
+        delta = OutputDelta() if case.delta else None  # the backward then runs on rowsum(dout * out)
         with mesh.comm_stats.measure() as fwd_bytes:
             out, lse = ring_attention(ql, kl, vl, plan, delta=delta)
         if delta is not None:
-            acc = torch.float64 if dtype == torch.float64 else torch.float32
+            acc = accumulation_dtype(dtype)
             delta.give((dl.to(acc) * out.detach().to(acc)).sum(-1))
-        tile_min, ring_module.BACKWARD_TILE_MIN = ring_module.BACKWARD_TILE_MIN, case.get("tile_min", 1024)
-        try:
-            with mesh.comm_stats.measure() as bwd_bytes:
-                out.backward(dl)
-        finally:
-            ring_module.BACKWARD_TILE_MIN = tile_min
+        with mesh.comm_stats.measure() as bwd_bytes:
+            out.backward(dl)
         ref_out, ref_lse, ref_dq, ref_dk, ref_dv = (
             layout.shard(t, me, dim=1 if t.dim() == 4 else 2) for t in ref
         )
@@ -113,38 +90,35 @@ def run_ring_cases(cases: list[dict]) -> list[dict]:
     return results
 
 
-def _run_and_check(pool, cases: list[dict]) -> None:
+def _run_and_check(pool, cases: list[AttentionCase]) -> None:
     """Run all cases in the pool's group and check every rank's errors."""
     results = pool.run(run_ring_cases, cases)
     for i, case in enumerate(cases):
         _check(case, [per_rank[i] for per_rank in results])
 
 
-def _check(case: dict, per_rank: list[dict]) -> None:
-    tol = TOL[case["dtype"]]
+def _check(case: AttentionCase, per_rank: list[dict]) -> None:
     for rank, res in enumerate(per_rank):
         e = res["errors"]
         where = f"{case} rank {rank}: {e}"
         assert not e["nan"], where
         assert e["lse_inf_match"], where
-        for name in ("out", "lse", "dq", "dk", "dv"):
-            assert e[name] <= tol, where
+        assert_within({name: e[name] for name in ("out", "lse", "dq", "dk", "dv")}, TOL[case.dtype], where)
 
 
-def _sweep(world: int) -> list[dict]:
+def _sweep(world: int) -> list[AttentionCase]:
     seq_len = 8 * world if world > 1 else 12
     cases = []
     for layout, causal, h_kv, dtype in itertools.product(
         ("contiguous", "zigzag", "stripe"), (True, False), (H, H // 2, 1), (torch.float64, torch.float32)
     ):
         cases.append(
-            dict(
+            AttentionCase(
                 layout=layout,
                 causal=causal,
                 h_kv=h_kv,
                 dtype=dtype,
                 seq_len=seq_len,
-                ring_inner=None,
                 seed=len(cases),
             )
         )
@@ -153,57 +127,79 @@ def _sweep(world: int) -> list[dict]:
     for layout, causal in itertools.product(("contiguous", "zigzag", "stripe"), (True, False)):
         cuts = [0, 5, 5 + 3 * world, s - 3] if world > 1 else [0, 5, 11, 13]
         cases.append(
-            dict(
+            AttentionCase(
                 layout=layout,
                 causal=causal,
                 h_kv=2,
                 dtype=torch.float64,
                 seq_len=s,
-                ring_inner=None,
-                cu_seqlens=cuts,
+                cu_seqlens=tuple(cuts),
                 seed=100 + len(cases),
             )
         )
     # sliding window and block stripes
     cases.append(
-        dict(
+        AttentionCase(
             layout="zigzag",
             causal=True,
             window=5,
             h_kv=1,
             dtype=torch.float64,
             seq_len=s,
-            ring_inner=None,
             seed=7,
         )
     )
     cases.append(
-        dict(
+        AttentionCase(
             layout="stripe",
             granularity=2,
             causal=True,
             h_kv=2,
             dtype=torch.float64,
             seq_len=s,
-            ring_inner=None,
             seed=8,
         )
     )
     # the backward's FULL pieces as tiles of 2 rows a side (16 rows per rank), documents and windows too
     for layout, causal in itertools.product(("contiguous", "zigzag", "stripe"), (True, False)):
         cases.append(
-            dict(layout=layout, causal=causal, h_kv=2, dtype=torch.float64, seq_len=s, ring_inner=None,
-                 tile_min=2, delta=causal, seed=200 + len(cases))
-        )  # fmt: skip
+            AttentionCase(
+                layout=layout,
+                causal=causal,
+                h_kv=2,
+                dtype=torch.float64,
+                seq_len=s,
+                tile_min=2,
+                delta=causal,
+                seed=200 + len(cases),
+            )
+        )
     cases.append(
-        dict(layout="zigzag", causal=True, window=7, h_kv=1, dtype=torch.float32, seq_len=s, ring_inner=None,
-             cu_seqlens=[0, 3, s // 2 + 1, s], tile_min=2, seed=9)
-    )  # fmt: skip
+        AttentionCase(
+            layout="zigzag",
+            causal=True,
+            window=7,
+            h_kv=1,
+            dtype=torch.float32,
+            seq_len=s,
+            cu_seqlens=(0, 3, s // 2 + 1, s),
+            tile_min=2,
+            seed=9,
+        )
+    )
     # the backward on rowsum(dout * out) instead of the output (OutputDelta): packed with padding, fp32
     cases.append(
-        dict(layout="stripe", causal=False, h_kv=1, dtype=torch.float32, seq_len=s, ring_inner=None,
-             cu_seqlens=[0, 5, s - 3], delta=True, seed=10)
-    )  # fmt: skip
+        AttentionCase(
+            layout="stripe",
+            causal=False,
+            h_kv=1,
+            dtype=torch.float32,
+            seq_len=s,
+            cu_seqlens=(0, 5, s - 3),
+            delta=True,
+            seed=10,
+        )
+    )
     return cases
 
 
@@ -212,43 +208,43 @@ def test_ring_matches_dense_reference(dist_pool, world):
     _run_and_check(dist_pool(world), _sweep(world))
 
 
-def _double_ring_cases() -> list[dict]:
+def _double_ring_cases() -> list[AttentionCase]:
     cases = []
     for inner, layout, causal, dtype in itertools.product(
         (4, 2), ("contiguous", "zigzag", "stripe"), (True, False), (torch.float64, torch.float32)
     ):
         cases.append(
-            dict(
+            AttentionCase(
                 layout=layout,
                 causal=causal,
                 h_kv=2,
                 dtype=dtype,
                 seq_len=64,
-                ring_inner=inner,
+                inner=inner,
                 delta=causal,
                 seed=len(cases),
             )
         )
     cases.append(
-        dict(
+        AttentionCase(
             layout="zigzag",
             causal=True,
             h_kv=2,
             dtype=torch.float64,
             seq_len=64,
-            ring_inner=4,
-            cu_seqlens=[0, 9, 30, 61],
+            inner=4,
+            cu_seqlens=(0, 9, 30, 61),
             seed=50,
         )
     )
     cases.append(
-        dict(
+        AttentionCase(
             layout="zigzag",
             causal=True,
             h_kv=2,
             dtype=torch.float64,
             seq_len=64,
-            ring_inner=2,
+            inner=2,
             overlap=False,
             seed=51,
         )
@@ -260,31 +256,29 @@ def test_double_ring_at_p8_as_2x4_and_4x2(dist_pool):
     _run_and_check(dist_pool(8), _double_ring_cases())
 
 
-def _all_gather_cases() -> list[dict]:
+def _all_gather_cases() -> list[AttentionCase]:
     cases = []
     for layout, causal, h_kv in itertools.product(("contiguous", "zigzag", "stripe"), (True, False), (4, 1)):
         cases.append(
-            dict(
+            AttentionCase(
                 layout=layout,
                 causal=causal,
                 h_kv=h_kv,
                 dtype=torch.float64,
                 seq_len=32,
-                ring_inner=None,
                 schedule="all_gather",
                 seed=len(cases),
             )
         )
     cases.append(
-        dict(
+        AttentionCase(
             layout="contiguous",
             causal=True,
             h_kv=2,
             dtype=torch.float32,
             seq_len=32,
-            ring_inner=None,
             schedule="all_gather",
-            cu_seqlens=[0, 3, 17, 29],
+            cu_seqlens=(0, 3, 17, 29),
             seed=40,
         )
     )
@@ -299,45 +293,42 @@ def test_bytes_per_rank_equal_the_formula(dist_pool):
     """docs/ring.md "Bytes per rank and layer" (``parallel/comm_volume.py``): fwd 2(R-1)·B·n·H_kv·D·b; bwd the
     same for K/V + 2R·B·n·H_kv·D·b_acc (dK, dV)."""
     h_kv, b = 2, 8  # fp64
-    single = dict(
-        layout="zigzag", causal=True, h_kv=h_kv, dtype=torch.float64, seq_len=64, ring_inner=None, seed=1
-    )
-    double = dict(single, ring_inner=2)
-    gather = dict(single, schedule="all_gather")
+    single = AttentionCase(layout="zigzag", causal=True, h_kv=h_kv, dtype=torch.float64, seq_len=64, seed=1)
+    double = replace(single, inner=2)
+    gather = replace(single, schedule="all_gather")
     results = dist_pool(8).run(run_ring_cases, [single, double, gather])
     r, n = 8, 8
-    one, two, ag = (
-        ring_bytes(B, n, h_kv, D, r, b, b, inner=inner, schedule=schedule)
-        for inner, schedule in ((None, "p2p"), (2, "p2p"), (None, "all_gather"))
-    )
+    blk = B * n * h_kv * D
+    kv = 2 * (r - 1) * blk * b
+    one_bwd = kv + 2 * r * blk * b  # + dK, dV accumulators: R sends (fp64: b_acc = b)
+    two_bwd = kv + 2 * (r + r // 2) * blk * b  # inner ring of 2: R inner + R_out outer accumulator sends
     for rank in range(8):
         s, d, g = results[rank]
-        assert s["fwd"] == {"p2p": {"bytes": one.forward["p2p"], "messages": r - 1}}
+        assert s["fwd"] == {"p2p": {"bytes": kv, "messages": r - 1}}
         # the inner ring moves dK and dV as one message each (RingComm.exchange_each)
-        assert s["bwd"] == {"p2p": {"bytes": one.backward["p2p"], "messages": (r - 1) + 2 * r}}
+        assert s["bwd"] == {"p2p": {"bytes": one_bwd, "messages": (r - 1) + 2 * r}}
         # double ring 4 outer x 2 inner: R-1 K/V sends, R inner (two messages each) + R_out outer accumulator sends
-        assert d["fwd"] == {"p2p": {"bytes": two.forward["p2p"], "messages": r - 1}}
-        assert d["bwd"] == {"p2p": {"bytes": two.backward["p2p"], "messages": (r - 1) + 2 * r + 4}}
+        assert d["fwd"] == {"p2p": {"bytes": kv, "messages": r - 1}}
+        assert d["bwd"] == {"p2p": {"bytes": two_bwd, "messages": (r - 1) + 2 * r + 4}}
         # all-gather: own shard to R-1 peers; backward re-gathers and reduce-scatters dK, dV
-        assert g["fwd"] == {"all_gather": {"bytes": ag.forward["all_gather"], "messages": 1}}
+        assert g["fwd"] == {"all_gather": {"bytes": kv, "messages": 1}}
         assert g["bwd"] == {
-            "all_gather": {"bytes": ag.backward["all_gather"], "messages": 1},
-            "reduce_scatter": {"bytes": ag.backward["reduce_scatter"], "messages": 1},
+            "all_gather": {"bytes": kv, "messages": 1},
+            "reduce_scatter": {"bytes": 2 * (r - 1) * blk * b, "messages": 1},
         }
 
 
 def test_causal_balance_from_work_counter(dist_pool):
     """Zigzag and stripe: max/mean of computed score pairs <= 1.05; contiguous is ~2x for contrast."""
     cases = [
-        dict(layout=layout, causal=True, h_kv=1, dtype=torch.float32, seq_len=256, ring_inner=None, seed=3)
+        AttentionCase(layout=layout, causal=True, h_kv=1, dtype=torch.float32, seq_len=256, seed=3)
         for layout in ("contiguous", "zigzag", "stripe")
     ]
     results = dist_pool(8).run(run_ring_cases, cases)
     ratios = {}
     for i, case in enumerate(cases):
         work = [results[r][i]["work"] for r in range(8)]
-        ratios[case["layout"]] = max(work) / (sum(work) / len(work))
-    print(f"causal work max/mean at P=8: {ratios}")
+        ratios[case.layout] = max(work) / (sum(work) / len(work))
     assert ratios["zigzag"] <= 1.05
     assert ratios["stripe"] <= 1.05
     assert ratios["contiguous"] > 1.5
@@ -347,10 +338,10 @@ def bf16_errors(seq_len: int) -> dict:
     """Max abs error vs fp64 of (ring bf16 at P=world) and (single-device bf16), out and grads."""
     world = torch.distributed.get_world_size()
     mesh = SeqParMesh.build(world, 1)
-    layout = SeqLayout("zigzag", world)
+    layout = ring_layout("zigzag", world)
     spec = MaskSpec(causal=True)
-    q, k, v, dout = _inputs(seq_len, 2, torch.float64, seed=11)
-    ref = _reference(q, k, v, dout, spec, None)
+    q, k, v, dout = qkv_inputs(seq_len, 2, torch.float64, seed=11)
+    ref = dense_reference(q, k, v, dout, spec, None)
     me = mesh.coords.ring_rank
     qb, kb, vb, db = (t.to(torch.bfloat16) for t in (q, k, v, dout))
     # single device, bf16 in and out (the kernel accumulates in fp32, rounds once at the end)
@@ -373,7 +364,7 @@ def bf16_errors(seq_len: int) -> dict:
             (x.double() - layout.shard(rf, me)).abs().max().item(),
             (layout.shard(s.double(), me) - layout.shard(rf, me)).abs().max().item(),
         )
-        for name, x, s, rf in zip(names, ring, single, refs)
+        for name, x, s, rf in zip(names, ring, single, refs, strict=True)
     }
 
 
@@ -387,7 +378,7 @@ def test_bf16_error_does_not_grow_with_p(dist_pool):
 
 def _offline_plan(world: int, layout: str = "zigzag", **kw) -> RingPlan:
     """A plan whose ring has no process group: valid only for errors raised before any transfer."""
-    return RingPlan(RingSchedule(RingComm(None, list(range(world)), 0)), SeqLayout(layout, world), **kw)
+    return RingPlan(RingSchedule(RingComm(None, list(range(world)), 0)), ring_layout(layout, world), **kw)
 
 
 @pytest.mark.parametrize(
@@ -424,7 +415,7 @@ def test_bad_inputs_fail_before_any_transfer(shapes, plan_kw, message):
 
 def test_plan_and_schedule_errors():
     with pytest.raises(ValueError, match=r"layout over 4 ranks does not match the ring of 2 ranks"):
-        RingPlan(RingSchedule(RingComm(None, [0, 1], 0)), SeqLayout("zigzag", 4))
+        RingPlan(RingSchedule(RingComm(None, [0, 1], 0)), ring_layout("zigzag", 4))
     with pytest.raises(ValueError, match=r"ring schedule 'tree' is unknown; valid: p2p, all_gather"):
         build_schedule(None, "tree")
 
@@ -436,11 +427,11 @@ def test_ring_odd_and_composite_world_sizes(dist_pool, world):
     _run_and_check(dist_pool(world), _sweep(world))
 
 
-def _long_window_cases() -> list[dict]:
-    """Segments longer than 4 window tiles: the window tiling (``_window_tasks``) builds the calls."""
-    base = dict(h_kv=2, ring_inner=None, seq_len=2560)
+def _long_window_cases() -> list[AttentionCase]:
+    """Segments longer than 4 window tiles: the window tiling (``tasks._window_tasks``) builds the calls."""
+    base = AttentionCase(h_kv=2, seq_len=2560)
     cases = [
-        dict(base, layout=layout, causal=causal, window=window, dtype=dtype, seed=200 + i)
+        replace(base, layout=layout, causal=causal, window=window, dtype=dtype, seed=200 + i)
         for i, (layout, causal, window, dtype) in enumerate(
             [
                 ("zigzag", True, 37, torch.float64),
@@ -462,20 +453,18 @@ def test_long_windows_are_tiled_and_exact(dist_pool):
 def test_window_tiling_at_a_million_tokens_builds_only_tile_masks(layout, causal):
     """S = 2^20 over 4 ranks, window 4096: the calls cover exactly the visible pairs, and no mask is
     larger than one tile (a mask of a whole 131072 x 131072 segment pair would be 16 GiB)."""
-    from ds_seqpar.parallel.ring import _tasks, _tokens, window_tile
-
     world, seq_len, w = 4, 1 << 20, 4096
     tile = window_tile(w)
     for me in range(world):
         plan = RingPlan(
             RingSchedule(RingComm(None, list(range(world)), me)),
-            SeqLayout(layout, world),
+            ring_layout(layout, world),
             MaskSpec(causal=causal, window=w),
         )
-        q_pos, _ = _tokens(plan, seq_len, me, torch.device("cpu"))
+        q_pos, _ = tokens(plan, seq_len, me, torch.device("cpu"))
         for owner in range(world):
-            k_pos, _ = _tokens(plan, seq_len, owner, torch.device("cpu"))
-            tasks = _tasks(plan, seq_len, owner, q_pos, None)
+            k_pos, _ = tokens(plan, seq_len, owner, torch.device("cpu"))
+            tasks = step_tasks(plan, seq_len, owner, q_pos, None)
             masks = {id(t.mask): t.mask for t in tasks if t.mask is not None}
             assert all(m.shape[-1] <= tile and m.shape[-2] <= tile for m in masks.values())
             assert sum(m.numel() for m in masks.values()) <= 8 * tile * tile  # shared by offset, not S
@@ -502,7 +491,7 @@ def zigzag_block_counts() -> tuple[int, int]:
     mesh = SeqParMesh.build(2, 1)
     work = WorkCounter()
     q = torch.randn(1, 8, 2, 4, dtype=torch.float64)
-    ring_attention(q, q, q, RingPlan(build_schedule(mesh), SeqLayout("zigzag", 2), work=work))
+    ring_attention(q, q, q, RingPlan(build_schedule(mesh), ring_layout("zigzag", 2), work=work))
     return work.blocks, work.skipped_blocks
 
 
@@ -516,17 +505,12 @@ def test_backward_cuts_full_rectangles_at_segments_and_into_tiles():
     4 x 4 tiles of at least ``min_rows`` rows a side; a square CAUSAL block the same way on both axes
     (causal tiles on the diagonal, full ones below, none above). Masked and small single tasks are
     left as they are; the visible pairs are unchanged."""
-    from ds_seqpar.ops.masks import BlockKind
-    from ds_seqpar.parallel.ring import _backward_tiles, _BlockTask
-
     segments = [(0, 8), (8, 16)]
-    joined = _BlockTask(slice(0, 16), slice(0, 8), BlockKind.FULL, None, segment_pairs=2)
-    causal = _BlockTask(slice(0, 16), slice(16, 32), BlockKind.CAUSAL, None, segment_pairs=3)
-    small = _BlockTask(slice(2, 6), slice(0, 8), BlockKind.FULL, None)
-    masked = _BlockTask(
-        slice(0, 16), slice(0, 16), BlockKind.PARTIAL, torch.ones(1, 16, 16, dtype=torch.bool)
-    )
-    got = _backward_tiles([joined, causal, small, masked], segments, segments)
+    joined = BlockTask(slice(0, 16), slice(0, 8), BlockKind.FULL, None, segment_pairs=2)
+    causal = BlockTask(slice(0, 16), slice(16, 32), BlockKind.CAUSAL, None, segment_pairs=3)
+    small = BlockTask(slice(2, 6), slice(0, 8), BlockKind.FULL, None)
+    masked = BlockTask(slice(0, 16), slice(0, 16), BlockKind.PARTIAL, torch.ones(1, 16, 16, dtype=torch.bool))
+    got = backward_tiles([joined, causal, small, masked], segments, segments)
     assert [(t.q_rows, t.k_rows, t.kind) for t in got[:5]] == [
         (slice(0, 8), slice(0, 8), BlockKind.FULL),
         (slice(8, 16), slice(0, 8), BlockKind.FULL),
@@ -537,18 +521,18 @@ def test_backward_cuts_full_rectangles_at_segments_and_into_tiles():
     assert got[5] is small and got[6] is masked and len(got) == 7
     assert sum(t.pairs for t in got[:2]) == joined.pairs
 
-    tiled = _backward_tiles(
+    tiled = backward_tiles(
         [joined], segments, segments, min_rows=2
     )  # 8-row segments: 4 x 4 tiles of 2 rows each
     assert len(tiled) == 32 and {t.q_rows.stop - t.q_rows.start for t in tiled} == {2}
     assert sum(t.pairs for t in tiled) == joined.pairs
     assert (
-        len(_backward_tiles([joined], segments, segments, min_rows=3)) == 8
+        len(backward_tiles([joined], segments, segments, min_rows=3)) == 8
     )  # 8 // 3 = 2 tiles a side per pair
-    causal_tiles = _backward_tiles(
+    causal_tiles = backward_tiles(
         [causal], segments, segments, min_rows=2
     )  # 8 x 8 tiles of 2: 8 diagonal, 28 below
     assert [t.kind for t in causal_tiles].count(BlockKind.CAUSAL) == 8 and len(causal_tiles) == 36
     assert sum(t.pairs for t in causal_tiles if t.kind is BlockKind.FULL) + 8 * 3 == 16 * 17 // 2
-    across = _BlockTask(slice(2, 6), slice(0, 16), BlockKind.FULL, None)  # one task over two key segments
-    assert [t.k_rows for t in _backward_tiles([across], segments, segments)] == [slice(0, 8), slice(8, 16)]
+    across = BlockTask(slice(2, 6), slice(0, 16), BlockKind.FULL, None)  # one task over two key segments
+    assert [t.k_rows for t in backward_tiles([across], segments, segments)] == [slice(0, 8), slice(8, 16)]

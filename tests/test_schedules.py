@@ -9,51 +9,30 @@ Many cases run inside one spawned group per world size.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
 
-from ds_seqpar import SeqParMesh
+from ds_seqpar import input_layout
 from ds_seqpar.comm import model
-from ds_seqpar.config import SequenceParallelConfig
-from ds_seqpar.layout import doc_ids_from_cu_seqlens, input_layout
-from ds_seqpar.ops.masks import MaskSpec
 from ds_seqpar.parallel.ring import WorkCounter
 from ds_seqpar.parallel.usp import attention
-from tests.test_ring import TOL, _inputs, _reference
+from tests.helpers.cases import AttentionCase
+from tests.helpers.meshes import mesh_for
+from tests.helpers.references import TOL, H, assert_within, dense_reference, qkv_inputs
 
 
-def _config(world: int, case: dict) -> SequenceParallelConfig:
-    ring = {"layout": case["layout"], "schedule": case["schedule"]}
-    for key in ("team_size", "grid", "inner_size", "startrail_backward"):
-        if case.get(key) is not None:
-            ring[key] = case[key]
-    section = SequenceParallelConfig(
-        size=world,
-        ulysses_degree=case.get("u", 1),
-        ring=ring,
-        ranks_per_node=case.get("ranks_per_node", "auto"),
-    )
-    return section.validate(None, world)
-
-
-def run_schedule_cases(cases: list[dict]) -> list[dict]:
+def run_schedule_cases(cases: list[AttentionCase]) -> list[dict]:
     """Run every case on this rank: errors of its shard, work, bytes per peer (forward, backward)."""
     world = torch.distributed.get_world_size()
-    meshes: dict[tuple, SeqParMesh] = {}
     results = []
     for case in cases:
-        key = (case.get("u", 1), case.get("inner_size"))
-        if key not in meshes:
-            meshes[key] = SeqParMesh.build(world, *key)
-        mesh = meshes[key]
-        mesh.config = _config(world, case)
+        mesh = mesh_for(case.section(world))
         layout = input_layout(mesh)
-        seq_len, dtype = case["seq_len"], case["dtype"]
-        spec = MaskSpec(causal=case["causal"], window=case.get("window"))
-        docs = doc_ids_from_cu_seqlens(case["cu_seqlens"], seq_len) if case.get("cu_seqlens") else None
-        q, k, v, dout = _inputs(seq_len, case["h_kv"], dtype, case["seed"])
-        ref = _reference(q, k, v, dout, spec, docs)
+        docs = case.doc_ids()
+        q, k, v, dout = qkv_inputs(case.seq_len, case.h_kv, case.dtype, case.seed)
+        ref = dense_reference(q, k, v, dout, case.spec, docs)
         me = mesh.coords.sp_rank
         ql, kl, vl, dl = (
             layout.shard(t, me).detach().clone().requires_grad_(t is not dout) for t in (q, k, v, dout)
@@ -65,8 +44,8 @@ def run_schedule_cases(cases: list[dict]) -> list[dict]:
                 kl,
                 vl,
                 mesh=mesh,
-                causal=case["causal"],
-                window=case.get("window"),
+                causal=case.causal,
+                window=case.window,
                 doc_ids=docs,
                 work=work,
             )
@@ -93,48 +72,37 @@ def run_schedule_cases(cases: list[dict]) -> list[dict]:
     return results
 
 
-def _check(case: dict, per_rank: list[dict]) -> None:
-    tol = TOL[case["dtype"]]
+def _check(case: AttentionCase, per_rank: list[dict]) -> None:
     for rank, res in enumerate(per_rank):
         e = res["errors"]
         where = f"{case} rank {rank}: {e}"
         assert not e["nan"], where
-        for name in ("out", "dq", "dk", "dv"):
-            assert e[name] <= tol, where
+        assert_within({name: e[name] for name in ("out", "dq", "dk", "dv")}, TOL[case.dtype], where)
 
 
-def _run(pool, cases: list[dict]) -> list[list[dict]]:
+def _run(pool, cases: list[AttentionCase]) -> list[list[dict]]:
     results = pool.run(run_schedule_cases, cases)
     per_case = [[per_rank[i] for per_rank in results] for i in range(len(cases))]
-    for case, got in zip(cases, per_case):
+    for case, got in zip(cases, per_case, strict=True):
         _check(case, got)
     return per_case
 
 
-H = 4  # query heads of tests.test_ring's inputs
-
-
-def _matrix(world: int, schedule: dict, seq_len: int, seed: int) -> list[dict]:
-    """causal x layout x MHA/GQA in fp64, plus fp32, packed documents and a window."""
-    cases = []
-    for causal, layout, h_kv in itertools.product((True, False), ("zigzag", "contiguous"), (H, 1)):
-        cases.append(
-            dict(schedule, layout=layout, causal=causal, h_kv=h_kv, dtype=torch.float64, seq_len=seq_len)
-        )
-    cases.append(dict(schedule, layout="zigzag", causal=True, h_kv=2, dtype=torch.float32, seq_len=seq_len))
-    cases.append(
-        dict(schedule, layout="zigzag", causal=True, h_kv=2, dtype=torch.float64, seq_len=seq_len,
-             cu_seqlens=[0, 5, seq_len // 2 + 3, seq_len - 2])
-    )  # fmt: skip
-    cases.append(
-        dict(schedule, layout="contiguous", causal=False, h_kv=2, dtype=torch.float64, seq_len=seq_len,
-             cu_seqlens=[0, 7, seq_len])
-    )  # fmt: skip
-    cases.append(
-        dict(schedule, layout="zigzag", causal=True, window=5, h_kv=1, dtype=torch.float64, seq_len=seq_len)
-    )
-    cases.append(dict(schedule, layout="stripe", causal=True, h_kv=2, dtype=torch.float64, seq_len=seq_len))
-    return [dict(c, seed=seed + i) for i, c in enumerate(cases)]
+def _matrix(schedule: AttentionCase, seq_len: int, seed: int) -> list[AttentionCase]:
+    """causal x layout x MHA/GQA in fp64, plus fp32, packed documents and a window (of ``schedule``'s mesh)."""
+    base = replace(schedule, seq_len=seq_len)
+    cases = [
+        replace(base, layout=layout, causal=causal, h_kv=h_kv)
+        for causal, layout, h_kv in itertools.product((True, False), ("zigzag", "contiguous"), (H, 1))
+    ]
+    cases += [
+        replace(base, h_kv=2, dtype=torch.float32),
+        replace(base, h_kv=2, cu_seqlens=(0, 5, seq_len // 2 + 3, seq_len - 2)),
+        replace(base, layout="contiguous", causal=False, h_kv=2, cu_seqlens=(0, 7, seq_len)),
+        replace(base, window=5, h_kv=1),
+        replace(base, layout="stripe", h_kv=2),
+    ]
+    return [replace(c, seed=seed + i) for i, c in enumerate(cases)]
 
 
 STARTRAIL = [(4, 1), (4, 2), (8, 1), (8, 2)]
@@ -158,9 +126,8 @@ def test_startrail_matches_dense_reference(dist_pool, world):
     for w, c in STARTRAIL:
         if w == world:
             for backward in ("kv", "query"):
-                cases += _matrix(
-                    world, dict(schedule="startrail", team_size=c, startrail_backward=backward), 16 * w, 10
-                )
+                startrail = AttentionCase(schedule="startrail", team_size=c, startrail_backward=backward)
+                cases += _matrix(startrail, 16 * w, 10)
     _run(dist_pool(world), cases)
 
 
@@ -169,7 +136,7 @@ def test_attention2d_matches_dense_reference(dist_pool, world):
     cases = []
     for w, grid in GRIDS:
         if w == world:
-            cases += _matrix(world, dict(schedule="attention2d", grid=list(grid)), 4 * w * 4, 20)
+            cases += _matrix(AttentionCase(schedule="attention2d", grid=grid), 4 * w * 4, 20)
     _run(dist_pool(world), cases)
 
 
@@ -178,40 +145,30 @@ def test_tasp_matches_dense_reference(dist_pool, world):
     cases = []
     for w, inner in TASP:
         if w == world:
-            cases += _matrix(world, dict(schedule="tasp", inner_size=inner), _tasp_len(world, inner), 30)
+            cases += _matrix(AttentionCase(schedule="tasp", inner=inner), _tasp_len(world, inner), 30)
     _run(dist_pool(world), cases)
 
 
 def test_schedules_under_ulysses(dist_pool):
     """U x schedule: Ulysses 2 outside a ring of 4 run by each topology-aware schedule."""
     schedules = [
-        dict(schedule="startrail", team_size=2, startrail_backward="auto"),
-        dict(schedule="attention2d", grid=[2, 2]),
-        dict(schedule="tasp", inner_size=2),
+        AttentionCase(schedule="startrail", team_size=2, startrail_backward="auto"),
+        AttentionCase(schedule="attention2d", grid=(2, 2)),
+        AttentionCase(schedule="tasp", inner=2),
     ]
-    cases = []
-    for i, (schedule, causal) in enumerate(itertools.product(schedules, (True, False))):
-        cases.append(
-            dict(
-                schedule,
-                u=2,
-                layout="zigzag",
-                causal=causal,
-                h_kv=2,
-                dtype=torch.float64,
-                seq_len=64,
-                seed=40 + i,
-            )
-        )
+    cases = [
+        replace(schedule, u=2, causal=causal, h_kv=2, seq_len=64, seed=40 + i)
+        for i, (schedule, causal) in enumerate(itertools.product(schedules, (True, False)))
+    ]
     _run(dist_pool(8), cases)
 
 
-def _balance_cases(world: int) -> list[dict]:
-    base = dict(layout="zigzag", causal=True, h_kv=1, dtype=torch.float32, seed=50)
+def _balance_cases(world: int) -> list[AttentionCase]:
+    base = AttentionCase(h_kv=1, dtype=torch.float32, seed=50, seq_len=2 * world * 32)
     return [
-        dict(base, schedule="startrail", team_size=2, seq_len=2 * world * 32),
-        dict(base, schedule="attention2d", grid=[2, world // 2], seq_len=2 * world * 32),
-        dict(base, schedule="tasp", inner_size=None if world not in (4, 6) else 2, seq_len=2 * world * 7 * 8),
+        replace(base, schedule="startrail", team_size=2),
+        replace(base, schedule="attention2d", grid=(2, world // 2)),
+        replace(base, schedule="tasp", inner=None if world not in (4, 6) else 2, seq_len=2 * world * 7 * 8),
     ]
 
 
@@ -220,56 +177,61 @@ def test_causal_balance_of_each_schedule_with_zigzag(dist_pool):
     cases = _balance_cases(8)
     for case, per_rank in zip(cases, _run(dist_pool(8), cases)):
         work = [r["work"] for r in per_rank]
-        assert max(work) / (sum(work) / len(work)) <= 1.05, (case["schedule"], work)
+        assert max(work) / (sum(work) / len(work)) <= 1.05, (case.schedule, work)
 
 
 @pytest.mark.slow
 def test_schedules_at_p16(dist_pool):
     """P = 16: StarTrail C in {1, 2, 4}, TASP as the inner ring (8) of a double ring, ATTENTION2D 4 x 4."""
-    cases = []
-    for c in (1, 2, 4):
-        for causal, layout, h_kv in itertools.product((True, False), ("zigzag", "contiguous"), (H, 1)):
-            cases.append(dict(schedule="startrail", team_size=c, layout=layout, causal=causal, h_kv=h_kv,
-                              dtype=torch.float64, seq_len=128))  # fmt: skip
+    cases = [
+        AttentionCase(schedule="startrail", team_size=c, layout=layout, causal=causal, h_kv=h_kv, seq_len=128)
+        for c in (1, 2, 4)
+        for causal, layout, h_kv in itertools.product((True, False), ("zigzag", "contiguous"), (H, 1))
+    ]
     for causal, h_kv in itertools.product((True, False), (H, 1)):
-        cases.append(dict(schedule="tasp", inner_size=8, layout="zigzag", causal=causal, h_kv=h_kv,
-                          dtype=torch.float64, seq_len=2 * 16 * 7))  # fmt: skip
-        cases.append(dict(schedule="attention2d", grid=[4, 4], layout="zigzag", causal=causal, h_kv=h_kv,
-                          dtype=torch.float64, seq_len=128))  # fmt: skip
-    _run(dist_pool(16), [dict(c, seed=60 + i) for i, c in enumerate(cases)])
+        cases.append(AttentionCase(schedule="tasp", inner=8, causal=causal, h_kv=h_kv, seq_len=2 * 16 * 7))
+        cases.append(
+            AttentionCase(schedule="attention2d", grid=(4, 4), causal=causal, h_kv=h_kv, seq_len=128)
+        )
+    _run(dist_pool(16), [replace(c, seed=60 + i) for i, c in enumerate(cases)])
 
 
-def _model_peers(case: dict, world: int, rank: int, backward: bool) -> dict[tuple[str, int], int]:
-    """The model's bytes of ring rank ``rank`` (U = 1: ring rank = global rank), keyed like CommStats."""
-    elt = case["dtype"].itemsize
-    shape = model.LayerShape.of(2, case["seq_len"] // world, H, case["h_kv"], 8, elt)
-    kind = case.get("startrail_backward", "kv")
+def _model_bytes(case: AttentionCase, world: int, rank: int, backward: bool) -> model.PeerBytes:
+    """The model's bytes of ring rank ``rank`` per peer (U = 1: ring rank = global rank)."""
+    shape = model.LayerShape.of(2, case.seq_len // world, H, case.h_kv, 8, case.dtype.itemsize)
+    kind = case.startrail_backward
     if kind == "auto":
-        kind = model.startrail_backward_choice(shape, case.get("team_size") or 1)
-    peers = model.peer_bytes(
-        case["schedule"], shape, world, rank, backward=backward, inner=case.get("inner_size"),
-        team_size=case.get("team_size"), grid=tuple(case["grid"]) if case.get("grid") else None,
-        segments=2 if case["layout"] == "zigzag" else 1, startrail_backward=kind,
+        kind = model.startrail_backward_choice(shape, case.team_size or 1)
+    return model.peer_bytes(
+        case.schedule, shape, world, rank, backward=backward, inner=case.inner, team_size=case.team_size,
+        grid=case.grid, segments=case.segments, startrail_backward=kind,
     )  # fmt: skip
+
+
+def _model_peers(case: AttentionCase, world: int, rank: int, backward: bool) -> dict[tuple[str, int], int]:
+    """``_model_bytes`` keyed like CommStats: (kind, peer) -> bytes."""
+    peers = _model_bytes(case, world, rank, backward)
     return {(k, peer): n for peer, kinds in peers.items() for k, n in kinds.items()}
 
 
-def _byte_cases() -> list[dict]:
-    base = dict(layout="zigzag", causal=True, dtype=torch.float32, seq_len=2 * 8 * 7 * 2)
+def _byte_cases() -> list[AttentionCase]:
+    base = AttentionCase(dtype=torch.float32, seq_len=2 * 8 * 7 * 2, h_kv=2)
     cases = [
-        dict(base, schedule="p2p", h_kv=2),
-        dict(base, schedule="p2p", inner_size=4, h_kv=2),
-        dict(base, schedule="all_gather", h_kv=2),
-        dict(base, schedule="tasp", h_kv=2),
-        dict(base, schedule="tasp", inner_size=2, h_kv=1),
-        dict(base, schedule="startrail", team_size=2, startrail_backward="kv", h_kv=2, ranks_per_node=2),
-        dict(base, schedule="startrail", team_size=2, startrail_backward="query", h_kv=H, ranks_per_node=2),
-        dict(base, schedule="startrail", team_size=2, startrail_backward="auto", h_kv=1),
-        dict(base, schedule="startrail", team_size=1, h_kv=2),
-        dict(base, schedule="attention2d", grid=[2, 4], h_kv=2, ranks_per_node=4),
-        dict(base, schedule="attention2d", grid=[4, 2], h_kv=1, layout="contiguous"),
+        replace(base, schedule="p2p"),
+        replace(base, schedule="p2p", inner=4),
+        replace(base, schedule="all_gather"),
+        replace(base, schedule="tasp"),
+        replace(base, schedule="tasp", inner=2, h_kv=1),
+        replace(base, schedule="startrail", team_size=2, startrail_backward="kv", ranks_per_node=2),
+        replace(
+            base, schedule="startrail", team_size=2, startrail_backward="query", h_kv=H, ranks_per_node=2
+        ),
+        replace(base, schedule="startrail", team_size=2, startrail_backward="auto", h_kv=1),
+        replace(base, schedule="startrail", team_size=1),
+        replace(base, schedule="attention2d", grid=(2, 4), ranks_per_node=4),
+        replace(base, schedule="attention2d", grid=(4, 2), h_kv=1, layout="contiguous"),
     ]
-    return [dict(c, seed=70 + i) for i, c in enumerate(cases)]
+    return [replace(c, seed=70 + i) for i, c in enumerate(cases)]
 
 
 def test_counted_bytes_equal_the_model_per_peer(dist_pool):
@@ -285,12 +247,10 @@ def test_counted_bytes_equal_the_model_per_peer(dist_pool):
                 assert got[key] == _model_peers(case, world, rank, backward), (case, rank, backward)
             for links in (got["fwd_links"], got["bwd_links"]):
                 assert links["unattributed"] == 0, (case, rank, links)
-            nodes = model.node_map(world, case.get("ranks_per_node", world))
-            want = model.classify(model.peer_bytes(
-                case["schedule"], model.LayerShape.of(2, case["seq_len"] // world, H, case["h_kv"], 8, 4), world,
-                rank, backward=False, inner=case.get("inner_size"), team_size=case.get("team_size"),
-                grid=tuple(case["grid"]) if case.get("grid") else None, segments=2 if case["layout"] == "zigzag" else 1,
-            ), rank, nodes)  # fmt: skip
+            per_node = world if case.ranks_per_node == "auto" else case.ranks_per_node
+            want = model.classify(
+                _model_bytes(case, world, rank, backward=False), rank, model.node_map(world, per_node)
+            )
             assert (got["fwd_links"]["intra"], got["fwd_links"]["inter"]) == (want.intra, want.inter), (
                 case,
                 rank,
@@ -300,7 +260,7 @@ def test_counted_bytes_equal_the_model_per_peer(dist_pool):
         ring_link = max(ring[rank]["fwd_peers"].values())
         tasp_links = [n for (kind, _), n in tasp[rank]["fwd_peers"].items() if kind == "p2p"]
         assert len(tasp_links) == world - 1 and max(tasp_links) * (world - 1) == ring_link
-    n_kv = 2 * 2 * (cases[5]["seq_len"] // world) * 2 * 8 * 4  # 2·E_kv·b of one rank (B 2, h_kv 2, D 8, fp32)
+    n_kv = 2 * 2 * (cases[5].seq_len // world) * 2 * 8 * 4  # 2·E_kv·b of one rank (B 2, h_kv 2, D 8, fp32)
     for rank, got in enumerate(per_case[5]):
         team_size, m, member = 2, world // 4, rank % 2
         assert got["fwd_links"]["inter"] == ((m - 1) + (member > 0)) * team_size * n_kv, (
@@ -319,8 +279,8 @@ def test_counted_bytes_equal_the_model_per_peer(dist_pool):
 )
 def test_hf_model_under_each_schedule_equals_non_sp(dist_pool, kind, schedule):
     """A tiny HF model's loss and every parameter gradient under the schedule equal one process's."""
-    from tests.hf_models import batches
-    from tests.test_hf_integration import sp_vs_reference
+    from tests.helpers.hf_ab import sp_vs_reference
+    from tests.helpers.hf_models import batches
 
     batch = batches(1, 2, 64)[0]
     for rep in dist_pool(4).run(sp_vs_reference, kind, 1, "zigzag", batch, None, None, schedule):

@@ -18,8 +18,8 @@ import ds_seqpar
 from ds_seqpar import SeqParSeq2SeqLM, shard_batch, shard_encoder_states
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
 from ds_seqpar.memory.trace import LiveBytes
-from tests.hf_models import VOCAB, speech_batches, tiny_model, tiny_whisper
-from tests.test_hf_integration import _mesh, _rel, deepspeed_ab
+from tests.helpers.hf_ab import deepspeed_ab, rel_err, sp_mesh
+from tests.helpers.hf_models import VOCAB, speech_batches, tiny_model, tiny_whisper
 
 
 def _grad_errors(model: torch.nn.Module, ref: torch.nn.Module, group) -> float:
@@ -30,7 +30,7 @@ def _grad_errors(model: torch.nn.Module, ref: torch.nn.Module, group) -> float:
         if p_ref.grad is None:  # frozen (Whisper's sinusoidal encoder positions): untouched on both sides
             worst = max(worst, grad.abs().max().item())
             continue
-        worst = max(worst, _rel(grad, p_ref.grad, 1e-4))
+        worst = max(worst, rel_err(grad, p_ref.grad, 1e-4))
     return worst
 
 
@@ -38,7 +38,7 @@ def whisper_vs_plain(
     schedule: str, recompute: bool, layout: str, tokens: int, frames: int, u: int = 1
 ) -> dict:
     """One forward/backward of a batch of 2 from ``input_features`` (the encoder runs on every rank)."""
-    mesh = _mesh(u, layout)
+    mesh = sp_mesh(u, layout)
     ref = tiny_whisper(frames=frames)
     model = copy.deepcopy(ref)
     batch = speech_batches(1, 2, tokens, frames, seed=3)[0]
@@ -84,7 +84,7 @@ def test_whisper_decoder_under_sp_equals_the_plain_model(
 def sharded_states_with_padding() -> dict:
     """``encoder_hidden_states`` given as shards with a key mask: the last 10 of 64 states are padding,
     which must equal the plain model run on the first 54 states only (batch of 1)."""
-    mesh = _mesh(1, "zigzag")
+    mesh = sp_mesh(1, "zigzag")
     ref = tiny_whisper()
     model = copy.deepcopy(ref)
     g = torch.Generator().manual_seed(4)
@@ -109,7 +109,7 @@ def sharded_states_with_padding() -> dict:
     return {
         "loss_err": abs(loss.item() - ref_loss.item()) / ref_loss.item(),
         "grad_err": _grad_errors(model, ref, mesh.group("sp")),
-        "states_grad_err": _rel(grad, ref_states_grad),
+        "states_grad_err": rel_err(grad, ref_states_grad),
         "padding_grad": grad[:, 54:].abs().max().item(),
     }
 
@@ -130,7 +130,7 @@ def test_zero3_training_matches_the_plain_model(dist_pool):
 
 def kept_bytes(recompute: bool, layers: int) -> dict:
     """Bytes alive after the forward (what autograd keeps for backward) with and without the recompute."""
-    mesh = _mesh(1, "zigzag")
+    mesh = sp_mesh(1, "zigzag")
     model = tiny_whisper()
     model.config.decoder_layers = layers
     model = type(model)(model.config).float()
@@ -162,7 +162,7 @@ def test_recomputing_cross_kv_keeps_no_per_layer_copies(dist_pool):
 
 
 def bad_inputs() -> list[str]:
-    mesh = _mesh(1)
+    mesh = sp_mesh(1)
     sp = SeqParSeq2SeqLM(tiny_whisper(), mesh)
     batch = shard_batch({"input_ids": torch.randint(3, VOCAB, (1, 8))}, mesh)
     errors = []

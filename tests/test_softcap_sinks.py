@@ -8,89 +8,64 @@ the single-process reference (``dense_attention_reference`` / ``sparse_attention
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import ds_seqpar
-from ds_seqpar import SeqParMesh, SequenceParallelConfig
-from ds_seqpar.layout import doc_ids_from_cu_seqlens
 from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward
+from ds_seqpar.ops.attention.reference import dense_attention_reference
 from ds_seqpar.ops.masks import MaskSpec, token_mask
 from ds_seqpar.ops.merge import apply_sink, sink_grad
-from ds_seqpar.ops.reference import dense_attention_reference
 from ds_seqpar.ops.sparse import estimate_pattern, sparse_attention_reference
 from ds_seqpar.parallel.sparse_ring import budget_from_config
+from tests.helpers.cases import AttentionCase
+from tests.helpers.meshes import mesh_for
+from tests.helpers.references import assert_within
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 D = 8
-_MESHES: dict[tuple, SeqParMesh] = {}  # per rank process: building a mesh creates process groups
 
 
-def _mesh(world: int, case: dict) -> SeqParMesh:
-    key = (world, case["u"], case.get("inner"))
-    if key not in _MESHES:
-        _MESHES[key] = SeqParMesh.build(world, case["u"], case.get("inner"))
-    mesh = _MESHES[key]
-    extra = {}
-    if case.get("sparse"):
-        extra["sparse"] = dict(
-            vertical=0.05, slash=0.05, block_size=4, last_q=16, sink_tokens=2, local_diagonals=4
-        )
-        extra["sparse"]["balancing"] = case["sparse"]
-    mesh.config = SequenceParallelConfig(
-        size=world,
-        ulysses_degree=case["u"],
-        ulysses_chunks=case.get("chunks", "auto"),
-        attention=case.get("attention", "usp"),
-        ring={
-            "inner_size": case.get("inner"),
-            "schedule": case.get("schedule", "p2p"),
-            **case.get("ring", {}),
-        }
-        | ({} if case.get("sparse") else {"layout": case.get("layout", "zigzag")}),
-        **extra,
-    )
-    return mesh
-
-
-def _reference(case, q, k, v, dout, sinks, mesh):
-    seq_len, window = q.shape[1], case.get("window")
-    docs = doc_ids_from_cu_seqlens(case["cu_seqlens"], seq_len) if case.get("cu_seqlens") else None
+def _reference(case: AttentionCase, q, k, v, dout, sinks, mesh):
+    seq_len, window, docs = q.shape[1], case.window, case.doc_ids()
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     sinks64 = None if sinks is None else sinks.detach().double().requires_grad_()
-    softcap = case.get("softcap")
-    if case.get("sparse"):
+    softcap = case.softcap
+    if case.sparse:
         pos = torch.arange(seq_len)
-        pattern = estimate_pattern(q, k, pos, pos, seq_len, budget_from_config(mesh.config.sparse))
+        pattern = estimate_pattern(q, k, pos, pos, seq_len, budget_from_config(mesh.settings.sparse))
         out, _ = sparse_attention_reference(
             *leaves, pattern, spec=MaskSpec(window=window), doc_ids=docs, softcap=softcap, sinks=sinks64
         )
     else:
-        spec = MaskSpec(causal=case.get("causal", True), window=window)
         pos = torch.arange(seq_len)
-        mask = token_mask(pos, pos, spec) if docs is None else token_mask(pos, pos, spec, docs, docs)
+        mask = (
+            token_mask(pos, pos, case.spec) if docs is None else token_mask(pos, pos, case.spec, docs, docs)
+        )
         out, _ = dense_attention_reference(*leaves, mask, softcap=softcap, sinks=sinks64)
     out.backward(dout.double())
     grads = [t.grad for t in leaves] + ([] if sinks64 is None else [sinks64.grad])
     return out.detach(), grads, docs
 
 
-def run_cases(cases: list[dict]) -> list[dict[str, float]]:
+def run_cases(cases: list[AttentionCase]) -> list[dict[str, float]]:
     """Per case, the max abs error of out, dq, dk, dv (this rank's shard) and dsinks (summed over SP)."""
     world = dist.get_world_size()
     results = []
     for i, case in enumerate(cases):
-        mesh = _mesh(world, case)
+        mesh = mesh_for(case.section(world))
         layout = ds_seqpar.input_layout(mesh)
-        dtype, seq_len, h, h_kv = case["dtype"], case["seq_len"], case["h"], case["h_kv"]
+        dtype, seq_len, h, h_kv = case.dtype, case.seq_len, case.h, case.h_kv
         g = torch.Generator().manual_seed(i)
         q, k, v, dout = (
-            torch.randn(case.get("batch", 2), seq_len, n, D, generator=g, dtype=torch.float64).to(dtype)
+            torch.randn(case.batch, seq_len, n, D, generator=g, dtype=torch.float64).to(dtype)
             for n in (h, h_kv, h_kv, h)
         )
         q = q * 3.0  # large scores, so a softcap of ~1 binds
-        sinks = torch.randn(h, generator=g, dtype=torch.float64).to(dtype) if case.get("sinks") else None
+        sinks = torch.randn(h, generator=g, dtype=torch.float64).to(dtype) if case.sinks else None
         ref_out, ref_grads, docs = _reference(case, q, k, v, dout, sinks, mesh)
         me = mesh.coords.sp_rank
         local = [layout.shard(t, me).detach().clone().requires_grad_() for t in (q, k, v)]
@@ -98,10 +73,10 @@ def run_cases(cases: list[dict]) -> list[dict[str, float]]:
         out = ds_seqpar.attention(
             *local,
             mesh=mesh,
-            causal=case.get("causal", True),
-            window=case.get("window"),
+            causal=case.causal,
+            window=case.window,
             doc_ids=docs,
-            softcap=case.get("softcap"),
+            softcap=case.softcap,
             sinks=sinks_local,
             layer=0,
         )
@@ -120,34 +95,31 @@ def run_cases(cases: list[dict]) -> list[dict[str, float]]:
     return results
 
 
-def _cases(p: int) -> list[dict]:
+def _cases(p: int) -> list[AttentionCase]:
     s = 16 * p
-    both = dict(softcap=1.5, sinks=True)
+    both = AttentionCase(softcap=1.5, sinks=True, seq_len=s)
+    ring = replace(both, u=1, h=4, attention="ring")
     cases = [
-        dict(u=p, h=8, h_kv=2, **both),  # Ulysses, pipelined head groups
-        dict(u=p, h=8, h_kv=8, chunks=1, softcap=0.8),  # Ulysses, one exchange
-        dict(u=p, h=8, h_kv=4, chunks=1, sinks=True, cu_seqlens=[0, 5, s // 2 + 3, s - 2]),
-        dict(u=1, h=4, h_kv=2, attention="ring", **both),  # ring p2p, zigzag
-        dict(u=1, h=4, h_kv=4, attention="ring", layout="stripe", causal=False, **both),
-        dict(u=1, h=4, h_kv=2, attention="ring", schedule="all_gather", layout="contiguous", **both),
-        dict(u=1, h=4, h_kv=2, attention="ring", window=7, **both),
-        dict(u=p // 2, h=6, h_kv=2, **both),  # USP with uneven heads at P=4 (U=2: 3 + 3)
-        dict(u=p // 2, h=8, h_kv=2, dtype=torch.float32, **both),
-        dict(u=1, h=4, h_kv=2, attention="sparse_ring", sparse="stripe", **both),
-        dict(u=2, h=8, h_kv=4, attention="sparse_ring", sparse="dbsp", window=24, **both),
+        replace(both, u=p, h=8, h_kv=2),  # Ulysses, pipelined head groups
+        replace(both, u=p, h=8, h_kv=8, chunks=1, sinks=False, softcap=0.8),  # Ulysses, one exchange
+        replace(both, u=p, h=8, h_kv=4, chunks=1, softcap=None, cu_seqlens=(0, 5, s // 2 + 3, s - 2)),
+        replace(ring, h_kv=2),  # ring p2p, zigzag
+        replace(ring, h_kv=4, layout="stripe", causal=False),
+        replace(ring, h_kv=2, schedule="all_gather", layout="contiguous"),
+        replace(ring, h_kv=2, window=7),
+        replace(both, u=p // 2, h=6, h_kv=2),  # USP with uneven heads at P=4 (U=2: 3 + 3)
+        replace(both, u=p // 2, h=8, h_kv=2, dtype=torch.float32),
+        replace(ring, h_kv=2, attention="sparse_ring", sparse="stripe"),
+        replace(both, u=2, h=8, h_kv=4, attention="sparse_ring", sparse="dbsp", window=24),
     ]
-    if p == 4:
-        cases.append(dict(u=1, inner=2, h=4, h_kv=2, attention="ring", **both))  # double ring 2 x 2
-        ring = dict(u=1, h=4, attention="ring", **both)  # the topology-aware schedules (docs/schedules.md)
-        cases.append(
-            dict(ring, h_kv=4, schedule="startrail", ring={"team_size": 2, "startrail_backward": "query"})
-        )
-        cases.append(dict(ring, h_kv=2, schedule="startrail", ring={"team_size": 2}, window=7))
-        cases.append(dict(ring, h_kv=2, schedule="attention2d", ring={"grid": [2, 2]}, causal=False))
-        cases.append(dict(ring, h_kv=1, inner=2, schedule="tasp"))
-    for case in cases:
-        case.setdefault("dtype", torch.float64)
-        case.setdefault("seq_len", s)
+    if p == 4:  # the double ring 2 x 2 and the topology-aware schedules (docs/schedules.md)
+        cases += [
+            replace(ring, h_kv=2, inner=2),
+            replace(ring, h_kv=4, schedule="startrail", team_size=2, startrail_backward="query"),
+            replace(ring, h_kv=2, schedule="startrail", team_size=2, window=7),
+            replace(ring, h_kv=2, schedule="attention2d", grid=(2, 2), causal=False),
+            replace(ring, h_kv=1, inner=2, schedule="tasp"),
+        ]
     return cases
 
 
@@ -158,7 +130,7 @@ def test_softcap_and_sinks_match_reference_on_every_path(dist_pool, p):
     for i, case in enumerate(cases):
         for rank, per_rank in enumerate(results):
             errors = per_rank[i]
-            assert all(e <= TOL[case["dtype"]] for e in errors.values()), f"{case} rank {rank}: {errors}"
+            assert_within(errors, TOL[case.dtype], f"{case} rank {rank}")
 
 
 @pytest.mark.parametrize("kernel", ["torch", "auto"])

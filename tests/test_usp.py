@@ -3,118 +3,34 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import ds_seqpar
-from ds_seqpar import SeqParMesh, SequenceParallelConfig
+from ds_seqpar import SeqParMesh, parse_section
 from ds_seqpar.comm.all_to_all import HeadPlan, split_heads
-from ds_seqpar.layout import doc_ids_from_cu_seqlens
-from ds_seqpar.ops.masks import MaskSpec, token_mask
-from ds_seqpar.ops.reference import dense_attention_reference
 from ds_seqpar.parallel.comm_volume import attention_layer_bytes, ulysses_bytes
 from ds_seqpar.parallel.ulysses_pipeline import HeadGroups
-
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
-B, D = 2, 8
-
-
-def _mesh(
-    cache: dict, size: int, u: int, inner: int | None, layout: str, schedule: str = "p2p", chunks="auto"
-) -> SeqParMesh:
-    key = (u, inner)
-    if key not in cache:
-        cache[key] = SeqParMesh.build(size, u, inner)
-    mesh = cache[key]
-    mesh.config = SequenceParallelConfig(
-        size=size,
-        ulysses_degree=u,
-        ulysses_chunks=chunks,
-        ring={"layout": layout, "inner_size": inner, "schedule": schedule},
-    )
-    return mesh
-
-
-_MESHES: dict = {}  # per rank process, reused across calls: every mesh build creates process groups
-
-
-def run_usp_cases(cases: list[dict]) -> list[dict]:
-    """Each case: shard with the mesh's input layout, run ds_seqpar.attention, compare with the reference."""
-    meshes = _MESHES
-    world = dist.get_world_size()
-    results = []
-    for case in cases:
-        mesh = _mesh(
-            meshes,
-            world,
-            case["u"],
-            case.get("inner"),
-            case["layout"],
-            case.get("schedule", "p2p"),
-            case.get("chunks", "auto"),
-        )
-        layout = ds_seqpar.input_layout(mesh)
-        seq_len, h, h_kv, dtype = case["seq_len"], case["h"], case["h_kv"], case["dtype"]
-        g = torch.Generator().manual_seed(case.get("seed", 0))
-        q, k, v, dout = (
-            torch.randn(case.get("batch", B), seq_len, heads, D, generator=g, dtype=torch.float64).to(dtype)
-            for heads in (h, h_kv, h_kv, h)
-        )
-        spec = MaskSpec(causal=case["causal"], window=case.get("window"))
-        docs = doc_ids_from_cu_seqlens(case["cu_seqlens"], seq_len) if case.get("cu_seqlens") else None
-        pos = torch.arange(seq_len)
-        mask = token_mask(pos, pos, spec) if docs is None else token_mask(pos, pos, spec, docs, docs)
-        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-        ref_out, _ = dense_attention_reference(q64, k64, v64, mask)
-        ref_out.backward(dout.double())
-        me = mesh.coords.sp_rank
-        ql, kl, vl = (layout.shard(t.detach(), me).clone().requires_grad_() for t in (q, k, v))
-        with mesh.comm_stats.measure() as fwd:
-            out = ds_seqpar.attention(
-                ql,
-                kl,
-                vl,
-                mesh=mesh,
-                causal=case["causal"],
-                window=case.get("window"),
-                positions=layout.local_positions(seq_len, me),
-                doc_ids=docs,
-            )
-        with mesh.comm_stats.measure() as bwd:
-            out.backward(layout.shard(dout, me))
-        errors = {
-            name: (got.double() - layout.shard(ref, me)).abs().max().item()
-            for name, got, ref in (
-                ("out", out, ref_out.detach()),
-                ("dq", ql.grad, q64.grad),
-                ("dk", kl.grad, k64.grad),
-                ("dv", vl.grad, v64.grad),
-            )
-        }
-        results.append({"errors": errors, "fwd": fwd.as_dict(), "bwd": bwd.as_dict()})
-    return results
-
-
-def _check(cases: list[dict], results: list[list[dict]]) -> None:
-    for i, case in enumerate(cases):
-        for rank, per_rank in enumerate(results):
-            errors = per_rank[i]["errors"]
-            assert all(e <= TOL[case["dtype"]] for e in errors.values()), f"{case} rank {rank}: {errors}"
+from tests.helpers.cases import AttentionCase
+from tests.helpers.usp_cases import B, D, check_usp_cases, run_usp_cases, usp_mesh
 
 
 def _factorisations(p: int) -> list[int]:
     return [u for u in range(1, p + 1) if p % u == 0]
 
 
-def _sweep(p: int) -> list[dict]:
+def _sweep(p: int) -> list[AttentionCase]:
     cases = []
     for u, layout, causal, dtype in itertools.product(
         _factorisations(p), ("contiguous", "zigzag", "stripe"), (True, False), (torch.float64, torch.float32)
     ):
         cases.append(
-            dict(u=u, layout=layout, causal=causal, dtype=dtype, seq_len=8 * p, h=8, h_kv=8, seed=len(cases))
+            AttentionCase(
+                u=u, layout=layout, causal=causal, dtype=dtype, seq_len=8 * p, h=8, h_kv=8, seed=len(cases)
+            )
         )
     return cases
 
@@ -122,26 +38,28 @@ def _sweep(p: int) -> list[dict]:
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_every_factorisation_and_layout_matches_reference(dist_pool, p):
     cases = _sweep(p)
-    _check(cases, dist_pool(p).run(run_usp_cases, cases))
+    check_usp_cases(cases, dist_pool(p).run(run_usp_cases, cases))
 
 
 SPECIAL = [
     # double ring under Ulysses: P=8 = U 2 x (R_out 2 x R_in 2)
-    dict(u=2, inner=2, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=8, h_kv=8),
-    dict(u=2, inner=2, layout="stripe", causal=False, dtype=torch.float32, seq_len=64, h=8, h_kv=4),
+    AttentionCase(u=2, inner=2, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=8, h_kv=8),
+    AttentionCase(u=2, inner=2, layout="stripe", causal=False, dtype=torch.float32, seq_len=64, h=8, h_kv=4),
     # GQA H=8 / H_kv=2 with U=4: K/V heads replicated to two ranks each
-    dict(u=4, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=8, h_kv=2),
-    dict(u=8, layout="zigzag", causal=True, dtype=torch.float32, seq_len=64, h=8, h_kv=2),
+    AttentionCase(u=4, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=8, h_kv=2),
+    AttentionCase(u=8, layout="zigzag", causal=True, dtype=torch.float32, seq_len=64, h=8, h_kv=2),
     # uneven heads: H=6 with U=4 (split 2,2,1,1), MHA and GQA
-    dict(u=4, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=6, h_kv=6),
-    dict(u=4, layout="contiguous", causal=False, dtype=torch.float64, seq_len=64, h=6, h_kv=2),
-    dict(u=8, layout="contiguous", causal=True, dtype=torch.float64, seq_len=64, h=12, h_kv=4),
+    AttentionCase(u=4, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=6, h_kv=6),
+    AttentionCase(u=4, layout="contiguous", causal=False, dtype=torch.float64, seq_len=64, h=6, h_kv=2),
+    AttentionCase(u=8, layout="contiguous", causal=True, dtype=torch.float64, seq_len=64, h=12, h_kv=4),
     # batch 1: q, k, v are views of the all-to-all's receive buffer (no copy); also uneven and replicated
-    dict(u=8, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=8, h_kv=8, batch=1),
-    dict(u=4, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=6, h_kv=2, batch=1),
-    dict(u=4, inner=2, layout="zigzag", causal=True, dtype=torch.float32, seq_len=64, h=8, h_kv=2, batch=1),
+    AttentionCase(u=8, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=8, h_kv=8, batch=1),
+    AttentionCase(u=4, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=6, h_kv=2, batch=1),
+    AttentionCase(
+        u=4, inner=2, layout="zigzag", causal=True, dtype=torch.float32, seq_len=64, h=8, h_kv=2, batch=1
+    ),
     # packed documents with odd lengths, plus a sliding window
-    dict(
+    AttentionCase(
         u=2,
         layout="zigzag",
         causal=True,
@@ -149,9 +67,9 @@ SPECIAL = [
         seq_len=64,
         h=4,
         h_kv=2,
-        cu_seqlens=[0, 7, 30, 59],
+        cu_seqlens=(0, 7, 30, 59),
     ),
-    dict(
+    AttentionCase(
         u=4,
         layout="stripe",
         causal=True,
@@ -159,10 +77,10 @@ SPECIAL = [
         seq_len=64,
         h=4,
         h_kv=4,
-        cu_seqlens=[0, 13, 64],
+        cu_seqlens=(0, 13, 64),
     ),
-    dict(u=2, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=4, h_kv=2, window=9),
-    dict(
+    AttentionCase(u=2, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=4, h_kv=2, window=9),
+    AttentionCase(
         u=2,
         layout="contiguous",
         causal=True,
@@ -176,18 +94,22 @@ SPECIAL = [
 
 
 def test_double_ring_gqa_replication_uneven_heads_and_documents(dist_pool):
-    _check(SPECIAL, dist_pool(8).run(run_usp_cases, SPECIAL))
+    check_usp_cases(SPECIAL, dist_pool(8).run(run_usp_cases, SPECIAL))
 
 
 # Pipelined Ulysses (R = 1): head groups with their own K/V, K/V shared by several groups (sent with
 # group 0, gradients summed and sent back with the last), replication, masks, batch 1 and 2.
 PIPELINED = [
-    dict(u=8, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=16, h_kv=16),
-    dict(u=8, layout="contiguous", causal=False, dtype=torch.float64, seq_len=64, h=32, h_kv=8, batch=1),
-    dict(u=8, layout="stripe", causal=True, dtype=torch.float64, seq_len=64, h=24, h_kv=8),
-    dict(u=8, layout="zigzag", causal=True, dtype=torch.float32, seq_len=64, h=16, h_kv=2, batch=1),
-    dict(u=8, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=32, h_kv=16, chunks=2),
-    dict(
+    AttentionCase(u=8, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=16, h_kv=16),
+    AttentionCase(
+        u=8, layout="contiguous", causal=False, dtype=torch.float64, seq_len=64, h=32, h_kv=8, batch=1
+    ),
+    AttentionCase(u=8, layout="stripe", causal=True, dtype=torch.float64, seq_len=64, h=24, h_kv=8),
+    AttentionCase(u=8, layout="zigzag", causal=True, dtype=torch.float32, seq_len=64, h=16, h_kv=2, batch=1),
+    AttentionCase(
+        u=8, layout="zigzag", causal=True, dtype=torch.float64, seq_len=64, h=32, h_kv=16, chunks=2
+    ),
+    AttentionCase(
         u=8,
         layout="zigzag",
         causal=True,
@@ -196,21 +118,21 @@ PIPELINED = [
         h=16,
         h_kv=4,
         window=11,
-        cu_seqlens=[0, 9, 40, 61],
+        cu_seqlens=(0, 9, 40, 61),
     ),
 ]
 
 
-def run_without_grad(case: dict) -> float:
+def run_without_grad(case: AttentionCase) -> float:
     """Max |out(no_grad) - out(grad)| of one case: inference builds no graph and gets the same output."""
-    mesh = _mesh(_MESHES, dist.get_world_size(), case["u"], None, case["layout"])
+    mesh = usp_mesh(case, dist.get_world_size())
     layout = ds_seqpar.input_layout(mesh)
     g = torch.Generator().manual_seed(1)
     q, k, v = (
         layout.shard(
-            torch.randn(1, case["seq_len"], heads, D, generator=g, dtype=torch.float64), mesh.coords.sp_rank
+            torch.randn(1, case.seq_len, heads, D, generator=g, dtype=torch.float64), mesh.coords.sp_rank
         )
-        for heads in (case["h"], case["h_kv"], case["h_kv"])
+        for heads in (case.h, case.h_kv, case.h_kv)
     )
     with torch.no_grad():
         plain = ds_seqpar.attention(q, k, v, mesh=mesh, causal=True)
@@ -220,19 +142,20 @@ def run_without_grad(case: dict) -> float:
 
 
 def test_pipelined_ulysses_without_grad_gives_the_same_output(dist_pool):
-    case = dict(u=8, layout="zigzag", seq_len=64, h=16, h_kv=2)
+    case = AttentionCase(u=8, layout="zigzag", seq_len=64, h=16, h_kv=2)
     assert max(dist_pool(8).run(run_without_grad, case)) == 0.0
 
 
 def test_pipelined_ulysses_matches_reference_and_moves_the_same_bytes(dist_pool):
     results = dist_pool(8).run(run_usp_cases, PIPELINED)
-    _check(PIPELINED, results)
+    check_usp_cases(PIPELINED, results)
     for i, case in enumerate(PIPELINED):
-        groups = HeadGroups.build(HeadPlan.build(case["h"], case["h_kv"], 8), case.get("chunks", 4))
+        chunks = parse_section(case.section(8)).validate(None, 8).ulysses_chunks  # "auto" resolved
+        groups = HeadGroups.build(HeadPlan.build(case.h, case.h_kv, 8), chunks)
         for per_rank in results:
             fwd = per_rank[i]["fwd"]["all_to_all"]
-            batch, n, b = case.get("batch", B), case["seq_len"] // 8, case["dtype"].itemsize
-            expected = ulysses_bytes(batch, n, case["h"], case["h_kv"], D, 8, b)
+            n, b = case.seq_len // 8, case.dtype.itemsize
+            expected = ulysses_bytes(case.batch, n, case.h, case.h_kv, D, 8, b)
             assert fwd["bytes"] == expected, (case, fwd)
             assert fwd["messages"] == 2 * groups.groups, (case, fwd)  # in and out, per group
 
@@ -257,16 +180,23 @@ def test_bytes_per_rank_equal_usp_formula(dist_pool):
     and the ring's dK/dV accumulators. Every rank, including uneven head splits (H=6 over U=4)."""
     p, s, b = 8, 64, 8
     cases = [
-        dict(u=u, layout="zigzag", causal=True, dtype=torch.float64, seq_len=s, h=8, h_kv=4)
+        AttentionCase(u=u, layout="zigzag", causal=True, dtype=torch.float64, seq_len=s, h=8, h_kv=4)
         for u in (1, 2, 4, 8)  # U=8 > H_kv=4 replicates each K/V head to 2 ranks
     ]
-    cases.append(dict(cases[0], u=4, h=6, h_kv=2))  # heads 2, 2, 1, 1 per Ulysses rank
+    cases.append(replace(cases[0], u=4, h=6, h_kv=2))  # heads 2, 2, 1, 1 per Ulysses rank
     results = dist_pool(p).run(run_usp_cases, cases)
     for i, case in enumerate(cases):
-        config = SequenceParallelConfig(size=p, ulysses_degree=case["u"])
+        settings = parse_section(case.section(p)).validate(None, p)
         for rank, per_rank in enumerate(results):
             expected = attention_layer_bytes(
-                config, s, case["h"], case["h_kv"], D, batch=B, element_bytes=b, ulysses_rank=rank % case["u"]
+                settings,
+                s,
+                case.h,
+                case.h_kv,
+                D,
+                batch=B,
+                element_bytes=b,
+                ulysses_rank=rank % case.u,
             )
             for direction, want in (("fwd", expected.forward), ("bwd", expected.backward)):
                 got = {kind: stat["bytes"] for kind, stat in per_rank[i][direction].items()}

@@ -78,27 +78,23 @@ def _pipelined(world: int, h: int, h_kv: int) -> bool:
 def _ds_seqpar(ulysses: int | str, ctx: dict, chunks: int | str = "auto") -> Callable:
     def build(h: int, h_kv: int):
         import ds_seqpar
-        import ds_seqpar.parallel.ring as ring
-        from ds_seqpar import SeqParMesh, SequenceParallelConfig
+        import ds_seqpar.parallel.ring.execute as ring
+        from ds_seqpar import SeqParMesh
 
         world = dist.get_world_size()
         u = _auto(world, h, h_kv) if ulysses == "auto" else ulysses
         if world % u or u > h:
             raise Unsupported(f"U={u} does not divide P={world} or exceeds H={h}")
         key = f"mesh{u}"
-        if key not in ctx:
+        if key not in ctx:  # systems with the same U share the process groups
             ctx[key] = SeqParMesh.build(world, u)
-        mesh = ctx[key]
-        config = SequenceParallelConfig(
-            size=world, ulysses_degree=u, ulysses_chunks=chunks, ring={"layout": "zigzag"}
-        )
-        mesh.config = config
+        section = {"size": world, "ulysses_degree": u, "ulysses_chunks": chunks, "ring": {"layout": "zigzag"}}
+        mesh = ctx[f"{key}:{chunks}"] = ctx[key].with_section(section)
         _count_ds_seqpar_pairs(ring)
         layout = ds_seqpar.input_layout(mesh)
         rank = mesh.coords.sp_rank
 
         def run(q, k, v):
-            mesh.config = config  # systems with the same U share the mesh (its process groups)
             return ds_seqpar.attention(q, k, v, mesh=mesh, causal=True)
 
         return run, lambda x: layout.shard(x, rank, dim=1).contiguous()
@@ -236,15 +232,14 @@ def _ds_seqpar_packed(ulysses: int | str, ctx: dict, fractions: list[float]) -> 
         from ds_seqpar.layout import doc_ids_from_cu_seqlens
 
         _run_dense, shard = _ds_seqpar(ulysses, ctx)(h, h_kv)
-        mesh = ctx[f"mesh{_auto(dist.get_world_size(), h, h_kv) if ulysses == 'auto' else ulysses}"]
-        config = mesh.config
+        u = _auto(dist.get_world_size(), h, h_kv) if ulysses == "auto" else ulysses
+        mesh = ctx[f"mesh{u}:auto"]
         docs: dict[int, torch.Tensor] = {}
 
         def run(q, k, v):
             s = q.shape[1] * dist.get_world_size()
             if s not in docs:
                 docs[s] = doc_ids_from_cu_seqlens(_cu(fractions, s), s)
-            mesh.config = config
             return ds_seqpar.attention(q, k, v, mesh=mesh, causal=True, doc_ids=docs[s])
 
         return run, shard

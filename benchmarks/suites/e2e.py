@@ -79,16 +79,14 @@ class DsSeqpar:
     memory: dict = {}  # noqa: RUF012 - sequence_parallel.memory of this system
 
     def __init__(self) -> None:
-        from ds_seqpar import SeqParCausalLM, SeqParMesh, SequenceParallelConfig
-        from ds_seqpar.config import auto_ulysses_degree
+        from ds_seqpar import SeqParCausalLM, SeqParMesh
+        from ds_seqpar.settings import auto_ulysses_degree
 
         world = dist.get_world_size()
         model = _model("sdpa")
         u = auto_ulysses_degree(world, model.config.num_attention_heads, model.config.num_key_value_heads)
-        self.mesh = SeqParMesh.build(world, u)
-        self.mesh.config = SequenceParallelConfig(
-            size=world, ulysses_degree=u, ring={"layout": "zigzag"}, memory=self.memory
-        )
+        section = {"size": world, "ulysses_degree": u, "ring": {"layout": "zigzag"}, "memory": self.memory}
+        self.mesh = SeqParMesh.from_config(section)
         self.detail += f" (U={u}, R={world // u})"
         self.model = SeqParCausalLM(model, self.mesh)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
@@ -305,7 +303,7 @@ def _predicted(system: Any, seq_len: int) -> dict | None:
         return None
     from ds_seqpar import memory_estimate
 
-    est = memory_estimate(system.model.model.config, seq_len, system.mesh.config, zero_stage=0)
+    est = memory_estimate(system.model.model.config, seq_len, system.mesh.settings, zero_stage=0)
     return {"predicted_MiB": est.step_bytes() / 2**20, "phase": est.phase}
 
 

@@ -2,7 +2,7 @@
 
 Legend: P = ranks of the group; ``x`` is this rank's shard of a global tensor whose axis ``sharded``
 is split over the P ranks in rank order (rank r holds the r-th of P equal parts of it), every other
-axis whole. DSP (ALGORITHMS.md §13): a spatio-temporal activation ``[B, T, S, C]`` sharded on T (whole
+axis whole. DSP (docs/dsp.md): a spatio-temporal activation ``[B, T, S, C]`` sharded on T (whole
 frames: spatial attention is local) becomes sharded on S (whole time lines: temporal attention is
 local), and back.
 

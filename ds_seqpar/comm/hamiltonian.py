@@ -1,7 +1,7 @@
 """Hamiltonian decompositions of the complete directed graph on n ranks (TASP's concurrent rings).
 
 Inside an all-to-all domain (an NVSwitch node) a ring uses one outgoing link per rank. TASP
-(docs ALGORITHMS.md §9) runs n − 1 rings at once, one per directed Hamiltonian cycle of a
+(docs/schedules.md) runs n − 1 rings at once, one per directed Hamiltonian cycle of a
 decomposition of the complete digraph K*_n: every ordered pair (u, v), u ≠ v, is an arc of exactly
 one cycle, so one step of all n − 1 rings is one all-to-all in which every link carries one message.
 
@@ -32,6 +32,11 @@ SEARCH_PATHS_PER_CYCLE = 200
 SEARCH_ATTEMPTS = 100_000
 
 
+def has_decomposition(n: int) -> bool:
+    """Whether the complete digraph on ``n`` ranks decomposes into Hamiltonian cycles (n >= 2, n not 4 or 6)."""
+    return isinstance(n, int) and n >= 2 and n not in NO_DECOMPOSITION
+
+
 def hamiltonian_decomposition(n: int) -> list[list[int]]:
     """``n − 1`` directed Hamiltonian cycles on ranks ``0..n−1`` that use every ordered pair once.
 
@@ -39,12 +44,24 @@ def hamiltonian_decomposition(n: int) -> list[list[int]]:
     """
     if not isinstance(n, int) or n < 2:
         raise ValueError(f"a Hamiltonian decomposition needs n >= 2 ranks; got n={n!r}")
-    if n in NO_DECOMPOSITION:
+    if not has_decomposition(n):
         raise ValueError(
             f"the complete directed graph on n={n} ranks has no decomposition into Hamiltonian cycles "
             f"(Tillson's theorem: every n >= 2 except 4 and 6); valid: n={n - 1} or n={n + 1} ranks per domain"
         )
     return [list(cycle) for cycle in _decomposition(n)]
+
+
+@functools.cache
+def cycle_successors(n: int) -> tuple[tuple[int, ...], ...]:
+    """``succ[c][x]``: the rank after x in Hamiltonian cycle c of the decomposition on n ranks."""
+    out = []
+    for cycle in hamiltonian_decomposition(n):
+        succ = [0] * n
+        for pos, x in enumerate(cycle):
+            succ[x] = cycle[(pos + 1) % n]
+        out.append(tuple(succ))
+    return tuple(out)
 
 
 @functools.cache

@@ -1,6 +1,6 @@
 """Small in-place reductions over one process group, with their bytes recorded.
 
-Used by pattern estimation (``ops/sparse.py`` takes any object with ``sum_`` / ``max_`` /
+Used by pattern estimation (``ops/sparse/pattern.py`` takes any object with ``sum_`` / ``max_`` /
 ``broadcast_``): the ranks that share a sequence complete each other's partial scores.
 Bytes recorded (kinds ``"all_reduce"`` and ``"broadcast"``): the tensor size per call.
 """

@@ -1,10 +1,11 @@
 """All-Scan: the pipelined prefix scan of per-piece affine state maps (ZeCO, docs/linear.md "Data flow of one layer"), and the
-all-gather baseline (LASP-2, §16.3).
+all-gather baseline (LASP-2).
 
 Legend: B batch, H heads, d_k x d_v state, K = number of row blocks along d_k.
 
 The sequence is a chain of pieces in sequence order; ``owners[i]`` is the ring rank holding piece i
-(contiguous layout: piece i on rank i; zigzag over R ranks: 2R pieces, up the ranks and back down).
+(the ring layout's ``scan_chain``: contiguous, piece i on rank i; zigzag over R ranks, 2R pieces, up the
+ranks and back down).
 Piece i maps the state entering it to the state leaving it, affinely,
 
     E_{i+1} = T_i(E_i) + S_i        (E_0 = initial state)
@@ -35,12 +36,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ds_seqpar.comm.stats import CommStats
+from ds_seqpar.layout.ring import LAYOUTS
 
 SCAN_MODES = ("all_scan", "all_gather")
 
@@ -110,16 +112,18 @@ def _at(axis: int, block: slice) -> tuple:
     return (Ellipsis, block, slice(None)) if axis == -2 else (Ellipsis, block)
 
 
-def chain_owners(world: int, layout: str) -> tuple[int, ...]:
-    """Ring rank of each piece in sequence order: ``contiguous`` -> 0..R-1, ``zigzag`` -> 0..R-1, R-1..0."""
-    if layout == "contiguous":
-        return tuple(range(world))
-    if layout == "zigzag":
-        return tuple(range(world)) + tuple(reversed(range(world)))
-    raise ValueError(
-        f"linear attention scans need the sequence order of the ring layout; layout={layout!r} is not "
-        "supported: use ring.layout 'contiguous' or 'zigzag' (stripes would need S/G hops)"
-    )
+def chain_owners(layout: Any) -> tuple[int, ...]:
+    """Ring rank of each piece (a segment of some rank) in sequence order, from the ring layout's
+    ``scan_chain``: contiguous -> 0..R-1, zigzag -> 0..R-1, R-1..0. A layout without one is refused."""
+    owners = layout.scan_chain()
+    if owners is None:
+        chained = " or ".join(f"'{name}'" for name, cls in LAYOUTS.items() if cls(2).scan_chain() is not None)
+        raise ValueError(
+            f"linear attention scans need the sequence order of the ring layout; layout={layout.name!r} is not "
+            f"supported: use ring.layout {chained} (a layout whose runs depend on S, such as stripes, would need "
+            "S/G hops)"
+        )
+    return owners
 
 
 class StateScan:

@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from ds_seqpar.config import SECTION, SeqParConfigError, load_config
 from ds_seqpar.data import seqpar_dataloader
+from ds_seqpar.integrations.causal_lm import SeqParCausalLM, SeqParMaskedLM
 from ds_seqpar.integrations.hf_model import objective_of, unwrap_hf_model
-from ds_seqpar.integrations.transformers import SeqParCausalLM, SeqParMaskedLM
 from ds_seqpar.loss import sp_grad_scale
 from ds_seqpar.mesh import SeqParMesh
 

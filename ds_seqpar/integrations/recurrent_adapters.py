@@ -1,4 +1,4 @@
-"""Sequence-parallel forwards for the recurrent layers of HF hybrid models (registered in ``linear_models.py``).
+"""Sequence-parallel forwards for the recurrent layers of HF hybrid models (registered in ``recurrent_layers.py``).
 
 Each forward mirrors the HF layer's training path (no cache) step by step and keeps every weight of
 the module; only three things change: the causal conv1d gets its halo from the previous rank
@@ -19,10 +19,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ds_seqpar.integrations.context import SeqParContext, current_context
+from ds_seqpar.parallel.delta_scan import delta_rule_attention, sharded_causal_conv1d
+from ds_seqpar.parallel.linear_scan import linear_attention
+from ds_seqpar.settings import input_layout
+
 
 def _context(module: torch.nn.Module, kwargs: dict, cache: Any) -> Any:
-    from ds_seqpar.integrations.transformers import SeqParContext, current_context
-
     ctx = current_context(kwargs)
     name = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
     if not isinstance(ctx, SeqParContext):
@@ -42,8 +45,6 @@ def _real_tokens(ctx: Any, batch: int) -> torch.Tensor | None:
     """``[B, n, 1]`` 1 for this rank's real tokens, 0 for padding (doc id < 0); None without doc ids."""
     if ctx.doc_ids is None:
         return None
-    from ds_seqpar.layout import input_layout
-
     real = ctx.doc_ids if ctx.doc_ids.dim() == 2 else ctx.doc_ids.expand(batch, -1)
     return (input_layout(ctx.mesh).shard(real, ctx.mesh.coords.sp_rank, dim=1) >= 0)[:, :, None]
 
@@ -62,8 +63,6 @@ def _family(module: torch.nn.Module) -> Any:
 
 def _conv(module: torch.nn.Module, ctx: Any, mixed: torch.Tensor) -> torch.Tensor:
     """The layer's causal depthwise conv1d + activation on ``[B, n, C]`` rows, the halo from the previous rank."""
-    from ds_seqpar.parallel.delta_scan import sharded_causal_conv1d
-
     act = _family(module).ACT2FN[module.activation]
     return sharded_causal_conv1d(mixed, module.conv1d, mesh=ctx.mesh, activation=act)
 
@@ -81,8 +80,6 @@ def lightning_forward(
 ) -> tuple[torch.Tensor, None]:
     """``MiniMaxLightningAttention.forward``: qkv = silu(qkv_proj(x)); S_t = e^{-s_h} S_{t-1} + k_tᵀ v_t;
     out = out_proj(sigmoid(output_gate(x)) * norm(o))."""
-    from ds_seqpar.parallel.linear_scan import linear_attention
-
     ctx = _context(self, kwargs, cache)
     b, n, _ = hidden_states.shape
     h, d = self.num_attention_heads, self.head_dim
@@ -110,8 +107,6 @@ def _delta_core(
 ) -> torch.Tensor:
     """HF's ``chunk_*_delta_rule(..., use_qk_l2norm_in_kernel=True)`` under SP: float32, the family's own
     l2norm on q and k, q scaled by d_k^-1/2, q/k heads repeated to the value heads (GVA)."""
-    from ds_seqpar.parallel.delta_scan import delta_rule_attention
-
     l2norm = _family(module).l2norm
     dtype = q.dtype
     q, k = (l2norm(x.float(), dim=-1, eps=1e-6) for x in (q, k))
@@ -216,8 +211,6 @@ def mamba2_forward(
     """The Mamba2 mixer's torch path: in_proj -> (gate, xBC, dt); conv1d + act on xBC; the SSD scan
     h_t = e^{dt_t A_h} h_{t-1} + dt_t B_t x_tᵀ, y_t = C_t h_t + D_h x_t (as linear attention with
     q = C, k = B, v = dt·x, log decay dt·A per token and head); gated RMSNorm; out_proj."""
-    from ds_seqpar.parallel.linear_scan import linear_attention
-
     ctx = _context(self, kwargs, cache)
     bsz, n, _ = hidden_states.shape
     dtype = hidden_states.dtype

@@ -12,7 +12,7 @@ Every call of an attention module that the model makes with encoder states (a ``
 round the ring (the queries, LV-XAttn, when S_q·H < S_kv·H_kv; else K/V), after a Ulysses exchange of
 heads when U > 1. Bytes per layer: ``ds_seqpar.parallel.cross.cross_bytes`` (+ ``cross_ulysses_bytes``).
 
-Shared K/V input (ALGORITHMS.md §12): every cross-attention layer projects the SAME encoder shard to its
+Shared K/V input (docs/cross_attention.md): every cross-attention layer projects the SAME encoder shard to its
 K/V. With ``recompute_cross_kv`` (default) each cross-attention module runs under non-reentrant
 activation checkpointing: autograd keeps the encoder shard once (every layer refers to the same tensor)
 and each layer's query input, instead of each layer's K/V projections ``2·B·m·E`` and attention
@@ -34,8 +34,9 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ds_seqpar.integrations.causal_lm import SeqParCausalLM
+from ds_seqpar.integrations.context import ACTIVE_CONTEXT, SeqParContext, current_context
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
-from ds_seqpar.integrations.transformers import ACTIVE_CONTEXT, SeqParCausalLM, SeqParContext, current_context
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.parallel.cross import CROSS_SCHEDULES
 

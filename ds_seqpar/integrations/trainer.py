@@ -44,8 +44,9 @@ from torch.utils.data import DataLoader
 from transformers import Trainer
 
 from ds_seqpar.comm.step_watch import StepWatch
-from ds_seqpar.config import SECTION, SeqParConfigError, SequenceParallelConfig, load_config, parse_section
+from ds_seqpar.config import SECTION, SequenceParallelConfig, load_config, with_overrides
 from ds_seqpar.data import seqpar_dataloader
+from ds_seqpar.errors import SeqParConfigError
 from ds_seqpar.integrations.deepspeed import init_distributed, sequence_parallel_scope, wrap_for_training
 from ds_seqpar.mesh import SeqParMesh
 
@@ -126,92 +127,19 @@ def reconcile_training_arguments(args: Any) -> tuple[SequenceParallelConfig, dic
             "dict with a 'sequence_parallel' section>)"
         )
     config: dict[str, Any] = hf.config
-    stored = getattr(args, _SECTION_ATTR, None)
-    if stored is not None and SECTION not in config:
-        section = stored
-        _, ds_config = load_config({**config, SECTION: section.model_dump(exclude_unset=True)})
-    else:
-        section, ds_config = load_config(config)
-        config.pop(SECTION, None)
-        setattr(args, _SECTION_ATTR, section)
+    section, ds_config = _take_section(args, config)
     raw = _raw_config(args.deepspeed)
     was_auto = {key for key, _ in TRAINER_OWNED_KEYS if _get(raw, key) == "auto"}
-    notices, conflicts = [], []
-    flags = [f for f in ("activation_checkpointing", "gradient_checkpointing") if getattr(args, f, False)]
-    if flags:
-        # transformers would wrap the decoder layers itself; ds_seqpar's own layer checkpointing re-runs
-        # each layer's sequence-parallel exchanges in backward and can offload the saved inputs
-        kwargs = dict(
-            getattr(args, "activation_checkpointing_kwargs", None)
-            or getattr(args, "gradient_checkpointing_kwargs", None)
-            or {}
-        )
-        if kwargs.get("every_n_layers", 1) != 1:
-            raise SeqParConfigError(
-                f"TrainingArguments.activation_checkpointing_kwargs every_n_layers={kwargs['every_n_layers']}: "
-                "ds_seqpar checkpoints every layer; valid: remove every_n_layers"
-            )
-        memory = {**section.memory.model_dump(exclude_unset=True), "activation_checkpointing": True}
-        if kwargs.get("offload"):
-            memory["offload"] = True
-        dumped = section.model_dump(exclude_unset=True)
-        section = parse_section(
-            {**dumped, "memory": memory}, section.size * (section.data_parallel_size or 1)
-        )
-        setattr(args, _SECTION_ATTR, section)
-        for f in flags:
-            setattr(args, f, False)
-        notices.append(
-            f"TrainingArguments.{flags[0]}=True runs as sequence_parallel.memory.activation_checkpointing "
-            f"(ds_seqpar's layer checkpointing{', offloaded' if kwargs.get('offload') else ''}); the Trainer's "
-            "own wrapper is switched off"
-        )
-    for key, fields in TRAINER_OWNED_KEYS:
-        if key in was_auto:  # transformers filled it from TrainingArguments; refilled below after adoptions
-            continue
-        ds_val = _get(config, key)
-        hf_val = [getattr(args, f) for f in fields]
-        hf_val = hf_val[0] if len(fields) == 1 else hf_val
-        if ds_val is None or ds_val == "auto" or _same(ds_val, hf_val):
-            continue
-        defaults = [_field_default(args, f) for f in fields]
-        if _same(hf_val, defaults[0] if len(fields) == 1 else defaults):
-            values = ds_val if len(fields) > 1 else [ds_val]
-            if len(values) != len(fields):
-                conflicts.append(
-                    f"{key}={ds_val!r} needs {len(fields)} values for TrainingArguments {fields}"
-                )
-                continue
-            for f, v in zip(fields, values):
-                setattr(args, f, v)
-            notices.append(
-                f"TrainingArguments.{'+'.join(fields)} follows the DeepSpeed config's {key}={ds_val!r} "
-                f'(TrainingArguments had its default {hf_val!r}; write "auto" there to use TrainingArguments)'
-            )
-        else:
-            conflicts.append(
-                f"{key}={ds_val!r} in the DeepSpeed config vs TrainingArguments.{'+'.join(fields)}={hf_val!r}"
-            )
-    for key, flag in PRECISION_KEYS:
-        ds_val = _get(config, key)
-        hf_val = bool(getattr(args, flag) or getattr(args, f"{flag}_full_eval"))
-        if isinstance(ds_val, bool) and ds_val != hf_val:
-            conflicts.append(f"{key}={ds_val} in the DeepSpeed config vs TrainingArguments.{flag}={hf_val}")
-    for key, fields in TRAINER_OWNED_KEYS:
+    notices: list[str] = []
+    conflicts: list[str] = []
+    section = _checkpointing_flags(args, section, notices)
+    _adopt_owned_keys(args, config, was_auto, notices, conflicts)
+    _check_precision(args, config, conflicts)
+    for key, fields in TRAINER_OWNED_KEYS:  # transformers filled these from TrainingArguments: refill them
         if key in was_auto:
             values = [getattr(args, f) for f in fields]
             _set(config, key, values[0] if len(fields) == 1 else values)
-    micro, gas = int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps)
-    explicit_batch = config.pop("train_batch_size", None)
-    if _get(raw, "train_batch_size") == "auto":
-        explicit_batch = None  # transformers filled world x micro x accumulation; ds_seqpar sets it over dp
-    world = dist.get_world_size() if dist.is_initialized() else args.world_size
-    dp = world // section.size
-    if explicit_batch is not None and explicit_batch != micro * gas * dp:
-        conflicts.append(
-            f"train_batch_size={explicit_batch} in the DeepSpeed config vs micro batch {micro} x accumulation {gas} "
-            f"x dp {dp} = {micro * gas * dp} (dp = world {world} / sequence_parallel.size {section.size})"
-        )
+    _check_train_batch(args, config, raw, section, conflicts)
     if conflicts:
         raise SeqParConfigError(
             "the DeepSpeed config and TrainingArguments disagree: "
@@ -226,6 +154,108 @@ def reconcile_training_arguments(args: Any) -> tuple[SequenceParallelConfig, dic
             "the DeepSpeed config and TrainingArguments disagree:\n" + "\n".join(hf.mismatches)
         )
     return section, ds_config, notices
+
+
+def _take_section(args: Any, config: dict[str, Any]) -> tuple[SequenceParallelConfig, dict[str, Any]]:
+    """The validated section (removed from ``config``, remembered on ``args``) and the DeepSpeed dict."""
+    stored = getattr(args, _SECTION_ATTR, None)
+    if stored is not None and SECTION not in config:
+        _, ds_config = load_config({**config, SECTION: stored.model_dump(exclude_unset=True)})
+        return stored, ds_config
+    section, ds_config = load_config(config)
+    config.pop(SECTION, None)
+    setattr(args, _SECTION_ATTR, section)
+    return section, ds_config
+
+
+def _checkpointing_flags(
+    args: Any, section: SequenceParallelConfig, notices: list[str]
+) -> SequenceParallelConfig:
+    """``activation_checkpointing`` / ``gradient_checkpointing`` run as the section's layer checkpointing."""
+    flags = [f for f in ("activation_checkpointing", "gradient_checkpointing") if getattr(args, f, False)]
+    if not flags:
+        return section
+    # transformers would wrap the decoder layers itself; ds_seqpar's own layer checkpointing re-runs
+    # each layer's sequence-parallel exchanges in backward and can offload the saved inputs
+    kwargs = dict(
+        getattr(args, "activation_checkpointing_kwargs", None)
+        or getattr(args, "gradient_checkpointing_kwargs", None)
+        or {}
+    )
+    if kwargs.get("every_n_layers", 1) != 1:
+        raise SeqParConfigError(
+            f"TrainingArguments.activation_checkpointing_kwargs every_n_layers={kwargs['every_n_layers']}: "
+            "ds_seqpar checkpoints every layer; valid: remove every_n_layers"
+        )
+    memory = {**section.memory.model_dump(exclude_unset=True), "activation_checkpointing": True}
+    if kwargs.get("offload"):
+        memory["offload"] = True
+    section = with_overrides(section, {"memory": memory}, section.size * (section.data_parallel_size or 1))
+    setattr(args, _SECTION_ATTR, section)
+    for f in flags:
+        setattr(args, f, False)
+    notices.append(
+        f"TrainingArguments.{flags[0]}=True runs as sequence_parallel.memory.activation_checkpointing "
+        f"(ds_seqpar's layer checkpointing{', offloaded' if kwargs.get('offload') else ''}); the Trainer's "
+        "own wrapper is switched off"
+    )
+    return section
+
+
+def _adopt_owned_keys(
+    args: Any, config: dict[str, Any], was_auto: set[str], notices: list[str], conflicts: list[str]
+) -> None:
+    """A key both sides own that only the JSON sets is adopted from it; both set and different: a conflict."""
+    for key, fields in TRAINER_OWNED_KEYS:
+        if key in was_auto:  # transformers filled it from TrainingArguments; refilled after adoptions
+            continue
+        ds_val = _get(config, key)
+        hf_val = [getattr(args, f) for f in fields]
+        hf_val = hf_val[0] if len(fields) == 1 else hf_val
+        if ds_val is None or ds_val == "auto" or _same(ds_val, hf_val):
+            continue
+        defaults = [_field_default(args, f) for f in fields]
+        if not _same(hf_val, defaults[0] if len(fields) == 1 else defaults):
+            conflicts.append(
+                f"{key}={ds_val!r} in the DeepSpeed config vs TrainingArguments.{'+'.join(fields)}={hf_val!r}"
+            )
+            continue
+        values = ds_val if len(fields) > 1 else [ds_val]
+        if len(values) != len(fields):
+            conflicts.append(f"{key}={ds_val!r} needs {len(fields)} values for TrainingArguments {fields}")
+            continue
+        for f, v in zip(fields, values, strict=True):
+            setattr(args, f, v)
+        notices.append(
+            f"TrainingArguments.{'+'.join(fields)} follows the DeepSpeed config's {key}={ds_val!r} "
+            f'(TrainingArguments had its default {hf_val!r}; write "auto" there to use TrainingArguments)'
+        )
+
+
+def _check_precision(args: Any, config: dict[str, Any], conflicts: list[str]) -> None:
+    """Precision flags are never adopted: a mismatch is a conflict."""
+    for key, flag in PRECISION_KEYS:
+        ds_val = _get(config, key)
+        hf_val = bool(getattr(args, flag) or getattr(args, f"{flag}_full_eval"))
+        if isinstance(ds_val, bool) and ds_val != hf_val:
+            conflicts.append(f"{key}={ds_val} in the DeepSpeed config vs TrainingArguments.{flag}={hf_val}")
+
+
+def _check_train_batch(
+    args: Any, config: dict[str, Any], raw: Any, section: SequenceParallelConfig, conflicts: list[str]
+) -> None:
+    """An explicit ``train_batch_size`` must be micro x accumulation x dp; it is then left to ds_seqpar."""
+    micro, gas = int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps)
+    explicit_batch = config.pop("train_batch_size", None)
+    if _get(raw, "train_batch_size") == "auto":
+        explicit_batch = None  # transformers filled world x micro x accumulation; ds_seqpar sets it over dp
+    world = dist.get_world_size() if dist.is_initialized() else args.world_size
+    dp = world // section.size
+    if explicit_batch is not None and explicit_batch != micro * gas * dp:
+        conflicts.append(
+            f"train_batch_size={explicit_batch} in the DeepSpeed config vs micro batch {micro} x accumulation {gas} "
+            f"x dp {dp} = {micro * gas * dp} (dp = world {world} / sequence_parallel.size {section.size})"
+        )
 
 
 def _refuse_unhonoured_arguments(args: Any, eval_dataset: Any) -> None:

@@ -66,7 +66,7 @@ def enable_memory_savings(
     settings: Any,
     group: Any = None,
 ) -> MemorySavings:
-    """Switch on what ``settings`` (a ``MemoryConfig``) asks for, on the ``decoder`` of ``hf`` and its ``layers``.
+    """Switch on what ``settings`` (the mesh's ``MemorySettings``) asks for, on the ``decoder`` of ``hf`` and its ``layers``.
 
     Checkpointing goes through transformers' own layer wrapper (``activation_checkpointing_enable``)
     when the model supports it, with :class:`LayerCheckpoint` as the checkpoint function; otherwise
@@ -97,10 +97,7 @@ def enable_memory_savings(
                 _checkpoint_generic(layer, checkpoint)
             savings.checkpointed = "ds_seqpar"
     if settings.tiled_mlp or settings.tiled_norms:
-        hidden = getattr(getattr(hf.config, "get_text_config", lambda: hf.config)(), "hidden_size", 0) or 0
-        tokens = settings.mlp_tile_tokens
-        tokens = max(1024, int(hidden)) if tokens == "auto" else tokens
-        savings.plan = TilePlan(tokens, group)
+        savings.plan = TilePlan(settings.mlp_tile_tokens, group)
         modules = find_mlps(layers) if settings.tiled_mlp else []
         modules += find_norms(layers, decoder) if settings.tiled_norms else []
         savings.tiled = tile_modules(modules, savings.plan)

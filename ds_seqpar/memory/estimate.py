@@ -18,6 +18,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ds_seqpar.config import SequenceParallelConfig, parse_section
+from ds_seqpar.settings import SeqParSettings, model_value
+
 LOSS_CHUNK_TENSORS = 4  # fp32 [B, c, V] tensors of one logits chunk: logits, log-softmax, their gradients
 
 
@@ -59,12 +62,6 @@ class MemoryEstimate:
         return "\n".join(rows)
 
 
-def _get(config: Any, name: str, default: Any = None) -> Any:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    value = text.get(name, default) if isinstance(text, dict) else getattr(text, name, default)
-    return default if value is None else value
-
-
 @dataclass(frozen=True)
 class _Dims:
     """The sizes of a Llama-style decoder that the model reads (``inter``: the MLP width one token uses,
@@ -84,10 +81,12 @@ class _Dims:
     @staticmethod
     def read(cfg: Any) -> _Dims:
         missing = [k for k in ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads")
-                   if _get(cfg, k) is None]  # fmt: skip
-        experts = _get(cfg, "num_experts", _get(cfg, "num_local_experts", 0)) or 0
-        expert_inter = _get(cfg, "moe_intermediate_size", _get(cfg, "intermediate_size")) if experts else 0
-        dense_inter = _get(cfg, "intermediate_size")
+                   if model_value(cfg, k) is None]  # fmt: skip
+        experts = model_value(cfg, "num_experts", model_value(cfg, "num_local_experts", 0)) or 0
+        expert_inter = (
+            model_value(cfg, "moe_intermediate_size", model_value(cfg, "intermediate_size")) if experts else 0
+        )
+        dense_inter = model_value(cfg, "intermediate_size")
         if (expert_inter if experts else dense_inter) is None:
             missing.append("moe_intermediate_size" if experts else "intermediate_size")
         if missing:
@@ -95,11 +94,11 @@ class _Dims:
                 f"memory_estimate: the model config has no {', '.join(missing)}; it models Llama-style decoders "
                 "(hidden_size, intermediate_size, heads, layers, vocab_size): pass a config or dict with them"
             )
-        e, h = _get(cfg, "hidden_size"), _get(cfg, "num_attention_heads")
-        inter = expert_inter * _get(cfg, "num_experts_per_tok", 1) if experts else dense_inter
+        e, h = model_value(cfg, "hidden_size"), model_value(cfg, "num_attention_heads")
+        inter = expert_inter * model_value(cfg, "num_experts_per_tok", 1) if experts else dense_inter
         return _Dims(
-            e, _get(cfg, "vocab_size"), _get(cfg, "num_hidden_layers"), h, _get(cfg, "num_key_value_heads", h),
-            _get(cfg, "head_dim", e // h), inter, experts, expert_inter, bool(_get(cfg, "tie_word_embeddings", False)),
+            e, model_value(cfg, "vocab_size"), model_value(cfg, "num_hidden_layers"), h, model_value(cfg, "num_key_value_heads", h),
+            model_value(cfg, "head_dim", e // h), inter, experts, expert_inter, bool(model_value(cfg, "tie_word_embeddings", False)),
         )  # fmt: skip
 
     def params(self) -> tuple[int, int]:
@@ -133,48 +132,62 @@ def memory_estimate(
         model_config: the HF config (or a dict) of a Llama-style decoder (MoE: ``num_experts`` /
             ``num_local_experts``, ``moe_intermediate_size``, ``num_experts_per_tok``).
         seq_len: S, tokens per sequence (split over the ``size`` SP ranks).
-        config: the ``sequence_parallel`` section (``SequenceParallelConfig`` or a dict), validated
-            against the model: its ``memory`` settings and U decide what is kept.
+        config: the ``sequence_parallel`` section (``SequenceParallelConfig`` or a dict, resolved against
+            the model) or its ``SeqParSettings``: its ``memory`` settings and U decide what is kept.
         world_size: ranks in the ZeRO group (default: ``size``); zero_stage: 0-3.
         bytes_per_element: 4 (fp32) or 2 (bf16 / fp16 activations and parameters; master weights,
             gradients and optimizer states are counted in fp32).
         loss_chunk: tokens per logits chunk; optimizer_states: fp32 states per parameter (AdamW: 2).
     """
-    from ds_seqpar.config import SequenceParallelConfig, parse_section
-
     if zero_stage not in (0, 1, 2, 3) or bytes_per_element not in (2, 4):
         raise ValueError(
             f"memory_estimate: zero_stage={zero_stage!r} must be 0-3 and bytes_per_element={bytes_per_element!r} "
             "2 (bf16 / fp16) or 4 (fp32)"
         )
-    section = config if isinstance(config, SequenceParallelConfig) else parse_section(config)
-    section = section.validate(model_config, None)
-    p, u = section.size, section.resolved_ulysses_degree
-    r = p // u
-    mem = section.memory
-    world = world_size or p
-    b, B = bytes_per_element, micro_batch
-    n = math.ceil(seq_len / p)
+    settings = _settings(config, model_config)
     dims = _Dims.read(model_config)
-    e, v, layers, heads, kv, d, inter = (
-        dims.hidden,
-        dims.vocab,
-        dims.layers,
-        dims.heads,
-        dims.kv_heads,
-        dims.head_dim,
-        dims.inter,
-    )
+    sizes = _activation_sizes(settings, dims, seq_len, micro_batch, bytes_per_element, loss_chunk)
+    est = MemoryEstimate()
+    _add_model_states(est, dims, world_size or settings.size, zero_stage, bytes_per_element, optimizer_states)
+    _add_activations(est, settings.memory, dims.layers, sizes)
+    return est
 
-    # sizes of one rank's tensors (docs/memory.md "The memory model")
-    h = B * n * e * b  # one hidden state
-    a_q = B * n * heads * d * b  # queries (or the attention output) of this rank's tokens, all heads
-    a_kv = B * n * max(kv, u) * d * b  # keys or values (K/V heads replicated when U > H_kv)
-    lse = B * n * heads * 4
-    mlp_act = B * n * inter * b  # one MLP intermediate
-    rope = 2 * B * n * d * b  # cos, sin (shared by the layers)
-    tile = min(n, mem.mlp_tile_tokens if mem.mlp_tile_tokens != "auto" else max(1024, e))
 
+def _settings(config: Any, model_config: Any) -> SeqParSettings:
+    if isinstance(config, SeqParSettings):
+        return config
+    section = config if isinstance(config, SequenceParallelConfig) else parse_section(config)
+    return section.validate(model_config, None)
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """Bytes of one rank's tensors of one layer, and of the step's peaks (docs/memory.md "The memory model")."""
+
+    h: int  # one hidden state
+    rope: int  # cos, sin (shared by the layers)
+    norm_kept: int
+    attn_kept: int
+    layer_kept: int
+    attn_backward: int
+    mlp_backward: int
+    final_norm: int
+    logits: int
+    token_out: int
+    mlp_kept: int
+
+
+def _activation_sizes(
+    settings: SeqParSettings, dims: _Dims, seq_len: int, batch: int, b: int, loss_chunk: int
+) -> _Sizes:
+    p, u, mem = settings.size, settings.ulysses_degree, settings.memory
+    r, n = p // u, math.ceil(seq_len / p)
+    h = batch * n * dims.hidden * b
+    a_q = batch * n * dims.heads * dims.head_dim * b  # queries (or the attention output), all heads
+    a_kv = batch * n * max(dims.kv_heads, u) * dims.head_dim * b  # keys or values (replicated when U > H_kv)
+    lse = batch * n * dims.heads * 4
+    mlp_act = batch * n * dims.inter * b  # one MLP intermediate
+    tile = min(n, mem.mlp_tile_tokens)
     norm_kept = h if mem.tiled_norms else 2 * h  # output (+ the normalised input when not tiled)
     # q, k, v, lse (head layout), and the output, except with R > 1: the ring's backward then runs on
     # rowsum(dout · out), and the output is kept in the token layout only (parallel/usp.py)
@@ -187,17 +200,23 @@ def memory_estimate(
     # R > 1: dout, the dq and dK/dV accumulators, the K/V block received, and one dK (or dV) arriving
     # while the accumulators move on (the backward's tiles are 1/16 of a segment pair: left out).
     # R = 1: dout (+ copy), dq, dk, dv.
-    ring_backward = 2 * a_q + 5 * a_kv
-    attn_backward = ring_backward if r > 1 else 3 * a_q + 2 * a_kv
+    attn_backward = 2 * a_q + 5 * a_kv if r > 1 else 3 * a_q + 2 * a_kv
     # the MLP's backward: a tile's intermediates re-run (gate, up, activation, product) and one gradient,
     # or, untiled, two gradients of [n, I] next to the kept intermediates
-    mlp_backward = 5 * B * tile * inter * b if mem.tiled_mlp else 2 * mlp_act
+    mlp_backward = 5 * batch * tile * dims.inter * b if mem.tiled_mlp else 2 * mlp_act
     final_norm = h if mem.tiled_norms else 2 * h
-    logits = LOSS_CHUNK_TENSORS * B * min(loss_chunk, n) * v * 4
+    logits = LOSS_CHUNK_TENSORS * batch * min(loss_chunk, n) * dims.vocab * 4
+    rope = 2 * batch * n * dims.head_dim * b
+    return _Sizes(h, rope, norm_kept, attn_kept, layer_kept, attn_backward, mlp_backward, final_norm, logits,
+                  token_out, mlp_kept)  # fmt: skip
 
+
+def _add_model_states(
+    est: MemoryEstimate, dims: _Dims, world: int, zero_stage: int, b: int, states: int
+) -> None:
+    """Parameters, gradients, optimizer states and master weights as ZeRO partitions them."""
     n_params, layer_params = dims.params()
     shard = world if zero_stage >= 3 else 1
-    est = MemoryEstimate()
     est.device["parameters (ZeRO shard)"] = n_params * b // shard
     est.resting.add("parameters (ZeRO shard)")
     if zero_stage >= 3:
@@ -205,34 +224,37 @@ def memory_estimate(
     est.device["gradients"] = n_params * 4 // (world if zero_stage >= 2 else 1)
     if zero_stage >= 1:
         est.resting.add("gradients")  # DeepSpeed keeps its (partitioned) gradient buffers
-    est.device["optimizer states"] = optimizer_states * n_params * 4 // (world if zero_stage >= 1 else 1)
+    est.device["optimizer states"] = states * n_params * 4 // (world if zero_stage >= 1 else 1)
     est.resting.add("optimizer states")
     if b < 4:
         est.device["fp32 master weights"] = n_params * 4 // (world if zero_stage >= 1 else 1)
         est.resting.add("fp32 master weights")
+
+
+def _add_activations(est: MemoryEstimate, mem: Any, layers: int, s: _Sizes) -> None:
+    """The activations the step keeps and its peak phase (checkpointed: one layer re-run at a time)."""
     if mem.activation_checkpointing:
         on_device = 1 if mem.offload else layers  # offload: only the last layer's input stays
-        est.device["checkpoints (layer inputs)"] = on_device * h
+        est.device["checkpoints (layer inputs)"] = on_device * s.h
         if mem.offload and layers > 1:
-            est.host["checkpoints (layer inputs)"] = (layers - 1) * h
+            est.host["checkpoints (layer inputs)"] = (layers - 1) * s.h
         phases = {  # 2h: the layer's output gradient and the one summed at its residual
-            "attention backward": 2 * h + norm_kept + attn_kept + attn_backward + rope,
-            "MLP backward": 2 * h + layer_kept + mlp_backward + rope,
-            "loss": final_norm + h + logits,
+            "attention backward": 2 * s.h + s.norm_kept + s.attn_kept + s.attn_backward + s.rope,
+            "MLP backward": 2 * s.h + s.layer_kept + s.mlp_backward + s.rope,
+            "loss": s.final_norm + s.h + s.logits,
         }
         est.phase = max(phases, key=phases.__getitem__)
         est.device[f"activations (one layer re-run, peak in {est.phase})"] = phases[est.phase]
-    else:
-        est.device["activations (all layers)"] = layers * (layer_kept + h)  # + each layer's output
-        phases = {
-            "backward start": final_norm + rope + 3 * h,
-            # the last layer's attention backward: its MLP and second norm are freed by then
-            "attention backward": rope + 2 * h + attn_backward - token_out - mlp_kept - norm_kept,
-            "loss": final_norm + rope + logits,
-        }
-        est.phase = max(phases, key=phases.__getitem__)
-        est.device[f"activations (peak in {est.phase})"] = phases[est.phase]
-    return est
+        return
+    est.device["activations (all layers)"] = layers * (s.layer_kept + s.h)  # + each layer's output
+    phases = {
+        "backward start": s.final_norm + s.rope + 3 * s.h,
+        # the last layer's attention backward: its MLP and second norm are freed by then
+        "attention backward": s.rope + 2 * s.h + s.attn_backward - s.token_out - s.mlp_kept - s.norm_kept,
+        "loss": s.final_norm + s.rope + s.logits,
+    }
+    est.phase = max(phases, key=phases.__getitem__)
+    est.device[f"activations (peak in {est.phase})"] = phases[est.phase]
 
 
 def largest_seq_len(

@@ -9,9 +9,9 @@ from ds_seqpar.ops.attention import (
     resolve_kernel,
     torch_chunked_kernel,
 )
+from ds_seqpar.ops.attention.reference import dense_attention_reference
 from ds_seqpar.ops.masks import BlockKind, MaskSpec, classify_block, token_mask
 from ds_seqpar.ops.merge import merge_attn, merge_attn_
-from ds_seqpar.ops.reference import dense_attention_reference
 
 __all__ = [
     "KERNELS",

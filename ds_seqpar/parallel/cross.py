@@ -15,7 +15,7 @@ K/V heads, replicas included):
     fwd B·D·b·(n_q·(H − h) + 2·n_kv·(K − k) + (U − 1)·n_q·h) + (U − 1)·B·n_kv   (the mask, if any)
     bwd B·D·b·((U − 1)·n_q·h + 2·(U − 1)·n_kv·k + n_q·(H − h))
 
-``rotate_q`` (ALGORITHMS.md §12): K/V stay. The query block travels the ring with its partial
+``rotate_q`` (docs/cross_attention.md): K/V stay. The query block travels the ring with its partial
 (out, lse), which every rank merges its block into and which is home after R sends; backward moves
 (q, dout, out, lse) with a dQ accumulator, and dK / dV never move. ``rotate_kv``: the ring: K/V (and
 the key mask) travel, dK / dV accumulators follow them home in backward. Both run on the ring's own
@@ -37,10 +37,12 @@ import torch
 import torch.distributed as dist
 
 from ds_seqpar.comm.all_to_all import HeadPlan
-from ds_seqpar.comm.p2p import RingComm, RingSchedule
+from ds_seqpar.comm.p2p import RingComm
+from ds_seqpar.comm.schedules.ring import RingSchedule
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward, resolve_kernel
 from ds_seqpar.ops.merge import merge_attn_
+from ds_seqpar.ops.precision import accumulation_dtype, accumulator_bytes
 from ds_seqpar.parallel.ulysses import gather_heads, scatter_heads
 
 CROSS_SCHEDULES = ("auto", "rotate_q", "rotate_kv")
@@ -60,7 +62,7 @@ def cross_bytes(
     ``kv_heads`` its heads."""
     if ring == 1:
         return 0
-    b, a = element_bytes, 8 if element_bytes == 8 else 4
+    b, a = element_bytes, accumulator_bytes(element_bytes)
     if schedule == "rotate_q":
         rows = batch * q_tokens * heads
         if backward:
@@ -120,7 +122,7 @@ class _CrossAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q, k, v, kv_mask, mesh, scale, schedule, kernel):
         ring = _ring(mesh)
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = accumulation_dtype(q.dtype)
         out = lse = None
         if schedule == "rotate_kv":
             payload = (k, v) if kv_mask is None else (k, v, kv_mask.to(torch.uint8))
@@ -249,7 +251,7 @@ def cross_attention(
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if mesh.ring_size == 1:
         schedule = "rotate_kv"  # one rank: a single block either way
-    kernel = mesh.settings.kernel if mesh.config is not None else "auto"  # sequence_parallel.kernel
+    kernel = mesh.settings.kernel  # sequence_parallel.kernel
     resolve_kernel(kernel, q.device, q.dtype, None)  # an unavailable kernel fails here, not mid-ring
     if mesh.ulysses_size == 1:
         return _CrossAttention.apply(q, k, v, kv_mask, mesh, scale, schedule, kernel)

@@ -6,7 +6,7 @@ Legend: P = U · R SP ranks, n = S / P tokens per rank, H heads, d_k / d_v key /
     q, k [B, n, H, d_k], v [B, n, H, d_v], beta [B, n, H], log_decay [B, n, H] or [B, n, H, d_k]
       -> Ulysses all-to-all (ONE call: the five packed along the last axis)   [B, S/R, h_u, ...]
       -> per ring piece (contiguous: one; zigzag: two):
-         1. ``ops/delta.delta_piece``: every state-independent chunk quantity
+         1. ``ops/delta/chunk.delta_piece``: every state-independent chunk quantity
          2. ``piece_transition``: the affine map S_out = M S_in + N of the piece
          3. All-Scan of the entering states over the ring group with ``MatrixMap(M)`` transitions,
             K column blocks along d_v, pipelined (``comm/scan.py``); or the all-gather of (M, N)
@@ -30,17 +30,12 @@ import torch
 from ds_seqpar.comm.all_to_all import HeadPlan, head_to_seq
 from ds_seqpar.comm.halo import HaloPlan, halo_exchange, halo_plan
 from ds_seqpar.comm.scan import MatrixMap, chain_owners
-from ds_seqpar.layout import input_layout
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.conv import causal_conv1d_runs
-from ds_seqpar.ops.delta import (
-    _check_gates,
-    entering_state_output,
-    piece_outputs,
-    piece_transition,
-    prepare_piece,
-)
+from ds_seqpar.ops.delta import entering_state_output, piece_outputs, piece_transition, prepare_piece
+from ds_seqpar.ops.delta.checks import check_gates
 from ds_seqpar.parallel.linear_scan import ScanPlan, check_heads, scan_plan, to_heads
+from ds_seqpar.settings import input_layout
 
 
 def _piece(xs: tuple, rows: slice, plan: ScanPlan):
@@ -132,7 +127,7 @@ def _check(q, k, v, beta, log_decay, initial_state) -> None:
             f"log_decay shape {tuple(log_decay.shape)} must be [B, n, H] = {(b, n, h)} (gated DeltaNet) or "
             f"[B, n, H, d_k] = {(b, n, h, d_k)} (KDA)"
         )
-    _check_gates(q, beta, log_decay)  # values too (decays <= 0), on every rank before the all-to-all
+    check_gates(q, beta, log_decay)  # values too (decays <= 0), on every rank before the all-to-all
     if initial_state is not None and tuple(initial_state.shape) != (b, h, d_k, v.shape[-1]):
         raise ValueError(
             f"initial_state shape {tuple(initial_state.shape)} must be [B, H, d_k, d_v] = {(b, h, d_k, v.shape[-1])}"
@@ -156,7 +151,7 @@ def delta_rule_attention(
         q, k: ``[B, n, H, d_k]``; v: ``[B, n, H, d_v]``; beta: ``[B, n, H]``: this rank's tokens in
             ``input_layout(mesh)`` order (ring layout contiguous or zigzag). q and k are used as given
             (normalise them first if the model does).
-        mesh: the mesh; ``mesh.config.linear`` gives scan mode, K blocks (along d_v) and chunk size.
+        mesh: the mesh; ``mesh.settings.linear`` gives scan mode, K blocks (along d_v) and chunk size.
         log_decay: None, ``[B, n, H]`` (gated DeltaNet) or ``[B, n, H, d_k]`` (KDA); entries <= 0.
         initial_state: ``[B, H, d_k, d_v]`` state before the first token, or None (zeros).
 
@@ -169,7 +164,7 @@ def delta_rule_attention(
     _, n, h, _ = q.shape
     layout = input_layout(mesh)
     layout.check_length(n * layout.world)
-    chain_owners(mesh.ring_size, cfg.ring_layout[0])  # layout check, pre-comm
+    chain_owners(layout.ring)  # layout check, pre-comm
     check_heads(h, mesh, "a delta-rule layer")
     heads = HeadPlan.build(h, h, mesh.ulysses_size)
     group, me, stats = mesh.group("ulysses"), mesh.coords.ulysses_rank, mesh.comm_stats

@@ -1,7 +1,7 @@
 """DSP (dynamic sequence parallelism) for multi-dimensional sequences: switch the sharded axis, attend locally.
 
 Legend: P = SP degree; a spatio-temporal activation ``[B, T, S, C]`` (T frames of S spatial tokens,
-C channels). ALGORITHMS.md §13: spatial attention (over S, within a frame) needs whole frames, temporal
+C channels), docs/dsp.md: spatial attention (over S, within a frame) needs whole frames, temporal
 attention (over T, per spatial position) whole time lines. DSP shards T during spatial blocks and S
 during temporal ones; :func:`switch_sharded_axis` moves between the two with one all-to-all over the SP
 group, and the attention itself then runs with no communication at all.

@@ -5,7 +5,7 @@ Legend: P = U · R SP ranks, n = S / P tokens per rank, H heads, d_k / d_v key /
     q, k [B, n, H, d_k], v [B, n, H, d_v], gate [B, n, H, d_k] (UspLayout order)
       -> Ulysses all-to-all (one call: q, k, v and the gate packed)  [B, S/R, h_u, d]
       -> the ring rank's pieces of the sequence (contiguous: one piece; zigzag: two, c_r and c_{2R-1-r})
-         1. each piece's state summary (``ops/linear.piece_state``; one pass, no outputs yet)
+         1. each piece's state summary (``ops/linear/chunk.piece_state``; one pass, no outputs yet)
          2. All-Scan of the entering states over the ring group (``comm/scan.py``), K row blocks along
             d_k, pipelined; the intra-chunk outputs of the pieces are computed between scan blocks
          3. out = local output + (q ⊙ A) · E_entering
@@ -28,10 +28,10 @@ import torch
 
 from ds_seqpar.comm.all_to_all import HeadPlan, head_to_seq, seq_to_head
 from ds_seqpar.comm.scan import StateScan, chain_owners
-from ds_seqpar.config import SeqParConfigError
-from ds_seqpar.layout import input_layout
+from ds_seqpar.errors import SeqParConfigError
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.linear import advance_state, entering_state_output, local_scan, piece_state
+from ds_seqpar.settings import input_layout
 
 
 @dataclass(frozen=True)
@@ -131,13 +131,6 @@ class _LinearScan(torch.autograd.Function):
         )
 
 
-def _pieces(layout_kind: str, n: int) -> tuple[slice, ...]:
-    """Local row slices of this rank's pieces, in sequence order (zigzag: first half, then second half)."""
-    if layout_kind == "zigzag":
-        return (slice(0, n // 2), slice(n // 2, n))
-    return (slice(0, n),)
-
-
 def check_heads(h: int, mesh: SeqParMesh, what: str) -> None:
     """A recurrent layer splits its heads over Ulysses: refuse U > H by name (before any collective)."""
     if h < mesh.ulysses_size:
@@ -165,13 +158,15 @@ def to_heads(
 def scan_plan(
     mesh: SeqParMesh, local_len: int, chunk_size: int, blocks: int, mode: str, scale: float
 ) -> ScanPlan:
-    """The scan over ``mesh``'s ring group for a ring shard of ``local_len`` tokens."""
-    kind = mesh.settings.ring_layout[0]
-    owners = chain_owners(mesh.ring_size, kind)
+    """The scan over ``mesh``'s ring group for a ring shard of ``local_len`` tokens: its pieces are the ring
+    layout's segments (zigzag: first half, then second half), in the layout's chain order."""
+    ring = input_layout(mesh).ring
+    owners = chain_owners(ring)
     scan = StateScan(
         mesh.group("ring"), mesh.members["ring"], mesh.coords.ring_rank, owners, blocks, mode, mesh.comm_stats
     )
-    return ScanPlan(scan, _pieces(kind, local_len), chunk_size, scale)
+    pieces = tuple(slice(a, b) for a, b in ring.segments(local_len * ring.world))
+    return ScanPlan(scan, pieces, chunk_size, scale)
 
 
 def linear_attention(
@@ -190,7 +185,7 @@ def linear_attention(
     Args:
         q, k: ``[B, n, H, d_k]``; v: ``[B, n, H, d_v]``: this rank's tokens in ``input_layout(mesh)`` order
             (ring layout contiguous or zigzag).
-        mesh: the mesh; ``mesh.config.linear`` gives scan mode, K blocks and chunk size.
+        mesh: the mesh; ``mesh.settings.linear`` gives scan mode, K blocks and chunk size.
         log_decay: None, ``[H]`` (one log decay per head), ``[B, n, H]`` (one per token and head, Mamba2)
             or ``[B, n, H, d_k]`` (per-token gate); the per-token ones sharded like q. Log decays must be <= 0.
         initial_state: ``[B, H, d_k, d_v]`` state before the first token, or None (zeros).
@@ -215,7 +210,7 @@ def linear_attention(
             f"[B, n, H, d_k] = {(b, n, h, d_k)}"
         )
     chunk_size, blocks, mode = lin.chunk_size, lin.blocks, lin.scan
-    chain_owners(mesh.ring_size, cfg.ring_layout[0])  # layout check, pre-comm
+    chain_owners(layout.ring)  # layout check, pre-comm
     check_heads(h, mesh, "a linear-attention layer")
     heads = HeadPlan.build(h, h, mesh.ulysses_size)
     group, me, stats = mesh.group("ulysses"), mesh.coords.ulysses_rank, mesh.comm_stats

@@ -3,7 +3,7 @@
 Legend: P = U · R SP ranks, n = S / P tokens per rank, G = ``sparse.block_size``.
 
     q, k [B, n, H|H_kv, D] (UspLayout order: ring layout stripe(G) with balancing, then Ulysses split)
-      1. pattern estimation over the whole SP group (all heads; ``ops/sparse.estimate_pattern``)
+      1. pattern estimation over the whole SP group (all heads; ``ops/sparse/pattern.estimate_pattern``)
          communicated: last queries [B, last_q, H, D] + scores [2, B, H, S] (all-reduce), pattern (broadcast)
       2. dbsp only: head permutation (greedy, equal head counts per Ulysses rank)
       3. Ulysses all-to-all                          q [B, S/R, h_u, D]
@@ -15,7 +15,7 @@ Balancing (``sparse.balancing``):
     stripe  block stripes of G tokens over the ring (MTraining's balanced sparse ring): every rank
             holds every region of the sequence, so sinks, verticals and near-diagonal blocks spread
             evenly over ranks and steps.
-    dbsp    db-SP (§15), both levels. Heads: whole GQA groups are permuted before the all-to-all so every
+    dbsp    db-SP, both levels. Heads: whole GQA groups are permuted before the all-to-all so every
             Ulysses rank gets the same number of heads and nearly the same work (longest-processing-time
             greedy; needs H_kv % U == 0, otherwise heads stay in place). Blocks: per ring group, blocks
             are reassigned to ring ranks (greedy, equal counts, biased to stay on their stripe rank);
@@ -36,7 +36,7 @@ import torch
 from ds_seqpar.comm.all_to_all import HeadPlan
 from ds_seqpar.comm.reduce import GroupReducer
 from ds_seqpar.comm.relayout import relayout
-from ds_seqpar.layout import BlockLayout, SeqLayout
+from ds_seqpar.layout import BlockLayout, RingLayout
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.masks import MaskSpec
 from ds_seqpar.ops.sparse import (
@@ -47,7 +47,8 @@ from ds_seqpar.ops.sparse import (
     estimate_pattern,
     imbalance_ratio,
 )
-from ds_seqpar.parallel.ring import RingPlan, ring_attention
+from ds_seqpar.parallel.ring.engine import ring_attention
+from ds_seqpar.parallel.ring.plan import RingPlan
 from ds_seqpar.parallel.ulysses import gather_heads, local_sinks, scatter_heads
 from ds_seqpar.parallel.work import WorkCounter
 
@@ -138,7 +139,7 @@ def balance_blocks(
     return owner
 
 
-def _group_layout(pattern: SparsePattern, ring: SeqLayout, seq_len: int) -> object:
+def _group_layout(pattern: SparsePattern, ring: RingLayout, seq_len: int) -> object:
     """db-SP block balancing of one ring group (its heads' pattern): a ``BlockLayout`` when it lowers
     ρ_s by more than ``BLOCK_BALANCE_MIN_GAIN``, else the stripe layout unchanged."""
     home = block_owner(ring, seq_len, pattern.block_size)
@@ -154,7 +155,7 @@ def _group_layout(pattern: SparsePattern, ring: SeqLayout, seq_len: int) -> obje
     return BlockLayout(blocks, pattern.block_size)
 
 
-def block_owner(layout: SeqLayout, seq_len: int, block_size: int) -> torch.Tensor | None:
+def block_owner(layout: RingLayout, seq_len: int, block_size: int) -> torch.Tensor | None:
     """Ring rank holding each block of G tokens, or None when the layout splits blocks across ranks."""
     owner = torch.full((seq_len,), -1, dtype=torch.long)
     for r in range(layout.world):
@@ -180,7 +181,7 @@ class BalancePlan:
 
 
 def plan_balance(
-    pattern: SparsePattern, ring: SeqLayout, seq_len: int, num_kv_heads: int, heads: HeadPlan, balancing: str
+    pattern: SparsePattern, ring: RingLayout, seq_len: int, num_kv_heads: int, heads: HeadPlan, balancing: str
 ) -> BalancePlan:
     """Head and block balancing for ``balancing`` (stripe | dbsp | none); pure arithmetic on the pattern,
     so every rank computes the same plan without communicating. ``pattern`` is in the original head order."""
@@ -197,7 +198,7 @@ def plan_balance(
 
 
 def balance_stats(
-    pattern: SparsePattern, plan: BalancePlan, stripe: SeqLayout, layer: int | None
+    pattern: SparsePattern, plan: BalancePlan, stripe: RingLayout, layer: int | None
 ) -> SparseLayerStats | None:
     """ρ_s, density and moved blocks of the work ``plan`` schedules (``pattern`` in the ORIGINAL head order);
     None when a layout splits blocks (token stripes)."""
@@ -241,7 +242,7 @@ def sparse_attention(
 
     Args:
         q: ``[B, n, H, D]``; k, v: ``[B, n, H_kv, D]`` in ``layout`` (a ``UspLayout``) order.
-        mesh: the mesh; ``mesh.config.sparse`` holds budgets and balancing.
+        mesh: the mesh; ``mesh.settings.sparse`` holds budgets and balancing.
         schedule: the ring schedule; seq_len: global S.
         layer: layer index, used as the key of ``sparse_stats``.
         softcap, sinks: as in ``ds_seqpar.attention`` (applied to the attended blocks; the pattern is
@@ -250,23 +251,11 @@ def sparse_attention(
     Returns:
         ``out [B, n, H, D]`` in q.dtype; differentiable in q, k, v and sinks (the pattern is not).
     """
-    cfg = mesh.config
+    cfg = mesh.settings
     sparse_cfg = cfg.sparse
     h, h_kv, d = q.shape[2], k.shape[2], q.shape[3]
     scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
-    positions = layout.local_positions(seq_len, mesh.coords.sp_rank).to(q.device)
-    reducer = GroupReducer(mesh.group("sp"), mesh.members["sp"], mesh.comm_stats)
-    with torch.no_grad():
-        pattern = estimate_pattern(
-            q.detach(),
-            k.detach(),
-            positions,
-            positions,
-            seq_len,
-            budget_from_config(sparse_cfg),
-            scale,
-            reducer,
-        )
+    pattern = _estimate(q, k, mesh, layout, seq_len, scale)
     heads = HeadPlan.build(h, h_kv, mesh.ulysses_size)
     balance = plan_balance(pattern, layout.ring, seq_len, h_kv, heads, sparse_cfg.balancing)
     full_pattern = pattern
@@ -279,16 +268,9 @@ def sparse_attention(
     u = mesh.coords.ulysses_rank
     ring_layout = balance.layouts[u]
     plan = RingPlan(
-        schedule,
-        ring_layout,
-        MaskSpec(causal=True, window=window),
-        doc_ids,
-        cfg.kernel,
-        work,
-        sparse=pattern.heads(balance.groups[u]),
-        softcap=softcap,
-        sparse_kernel=sparse_cfg.kernel,
-    )
+        schedule, ring_layout, MaskSpec(causal=True, window=window), doc_ids, cfg.kernel, work,
+        sparse=pattern.heads(balance.groups[u]), softcap=softcap, sparse_kernel=sparse_cfg.kernel,
+    )  # fmt: skip
     q2, k2, v2 = scatter_heads(q, k, v, heads, mesh)
     ring = (mesh.group("ring"), mesh.coords.ring_rank, mesh.comm_stats)
     q2, k2, v2 = relayout((q2, k2, v2), layout.ring, ring_layout, *ring)
@@ -302,3 +284,14 @@ def sparse_attention(
         if stats is not None:
             sparse_stats(mesh)[layer] = stats
     return out
+
+
+def _estimate(
+    q: torch.Tensor, k: torch.Tensor, mesh: SeqParMesh, layout: object, seq_len: int, scale: float
+) -> SparsePattern:
+    """The pattern of the whole sequence, estimated over the SP group from every rank's shard (no grad)."""
+    positions = layout.local_positions(seq_len, mesh.coords.sp_rank).to(q.device)
+    reducer = GroupReducer(mesh.group("sp"), mesh.members["sp"], mesh.comm_stats)
+    budget = budget_from_config(mesh.settings.sparse)
+    with torch.no_grad():
+        return estimate_pattern(q.detach(), k.detach(), positions, positions, seq_len, budget, scale, reducer)

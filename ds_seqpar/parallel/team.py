@@ -21,16 +21,19 @@ from typing import Any
 
 import torch
 
-from ds_seqpar.comm import model
-from ds_seqpar.ops.merge import apply_sink, inert_empty_rows, merge_attn_, sink_grad
-from ds_seqpar.parallel.ring import (
-    RingPlan,
+from ds_seqpar.comm.layer_bytes import LayerShape
+from ds_seqpar.ops.merge import inert_empty_rows, merge_attn_
+from ds_seqpar.ops.precision import accumulator_bytes
+from ds_seqpar.parallel.ring.engine import (
     check_qkv,
     check_sinks,
     engine_backward,
     engine_forward,
     engine_pair_backward,
+    function_grads,
+    save_final,
 )
+from ds_seqpar.parallel.ring.plan import RingPlan
 
 
 def _merge_team(out_t: torch.Tensor, lse_t: torch.Tensor, team: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,32 +85,9 @@ def _query_packet_backward(
     return dq_home, *dkv
 
 
-def startrail_backward_kind(
-    wanted: str, heads: int, kv_heads: int, head_dim: int, element_bytes: int, acc_bytes: int
-) -> str:
-    """``"kv"`` or ``"query"``: ``wanted`` unless it is ``"auto"``, then the variant whose sub-ring step sends
-    fewer bytes per token (query: q, dout + lse, Δ + a dQ accumulator; kv: k, v + dK, dV accumulators; the
-    team size scales both alike). MHA moves less with query packets, GQA / MQA with K/V (docs/schedules.md)."""
-    if wanted != "auto":
-        return wanted
-    shape = model.LayerShape(
-        1, 1, heads, kv_heads, head_dim, element_bytes, acc_bytes
-    )  # per token: C, n cancel
-    return model.startrail_backward_choice(shape, 1)
-
-
 class _TeamAttention(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        sinks: torch.Tensor | None,
-        plan: RingPlan,
-        scale: float,
-        backward: str,
-    ):
+    def forward(ctx, q, k, v, sinks, plan, scale, backward):  # the arguments of ``team_attention``
         schedule = plan.schedule
         team = schedule.team_comm
         (q_team,) = team.gather(q)
@@ -116,12 +96,8 @@ class _TeamAttention(torch.autograd.Function):
         del q_team, kv
         out, lse = _merge_team(out_t, lse_t, team)
         del out_t, lse_t
-        if sinks is not None:
-            out, lse = apply_sink(out, lse, sinks)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.plan, ctx.scale, ctx.seq_len, ctx.backward = plan, scale, seq_len, backward
-        ctx.mark_non_differentiable(lse)
-        return out.to(q.dtype), lse
+        return save_final(ctx, (q, k, v), out, lse, sinks, keep_out=True)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor):
@@ -153,10 +129,7 @@ class _TeamAttention(torch.autograd.Function):
         del q_team, dout_team, lse_team, delta_team, kv
         (dq,) = team.reduce_rows(dq_t)
         dk, dv = team.reduce_rows(dk_p, dv_p) if schedule.gathers_kv else (dk_p, dv_p)
-        dsinks = None
-        if sinks is not None and ctx.needs_input_grad[3]:
-            dsinks = sink_grad(dout, out, lse, sinks).to(sinks.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None
+        return function_grads(ctx, (q, k, v), (dq, dk, dv), dout, out, lse, sinks)
 
 
 def team_attention(
@@ -164,19 +137,21 @@ def team_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     plan: RingPlan,
+    *,
     softmax_scale: float | None = None,
     sinks: torch.Tensor | None = None,
     backward: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention of this rank's queries under a team schedule (``plan.schedule`` has ``team_comm``).
+    """Exact attention of this rank's queries under a team schedule (``plan.schedule`` is a ``TeamSchedule``).
 
     Args:
         q: ``[B, n, H, D]``; k, v: ``[B, n, H_kv, D]``, this rank's tokens in the ring layout.
-        plan: built by ``parallel/ring.py`` ``team_plan`` (K/V layout of the schedule's blocks, query layout
-            of its teams).
+        plan: the K/V layout of the schedule's blocks and the query layout of its teams (the schedule's spec
+            gives both, ``ScheduleSpec.layouts``).
         sinks: None or ``[H]`` attention-sink logits.
-        backward: StarTrail's backward, ``"kv"`` | ``"query"`` | ``"auto"`` (:func:`startrail_backward_kind`);
-            a schedule without a sub-ring (ATTENTION2D) always runs the engine's (K/V) backward.
+        backward: StarTrail's backward, ``"kv"`` | ``"query"`` | ``"auto"`` (the variant sending fewer bytes
+            for this layer's heads, ``schedule.backward_variant``); a schedule without a sub-ring
+            (ATTENTION2D) always runs the engine's (K/V) backward.
 
     Returns:
         ``(out [B, n, H, D] in q.dtype, lse [B, H, n])``; differentiable in q, k, v and sinks.
@@ -184,10 +159,9 @@ def team_attention(
     check_qkv(q, k, v, "team attention")
     check_sinks(sinks, q, "team attention")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    if not hasattr(plan.schedule, "subring"):
-        backward = "kv"
-    elif backward not in ("auto", "kv", "query"):
-        raise ValueError(f"team attention backward={backward!r}; valid: auto, kv, query")
-    acc = 8 if q.dtype == torch.float64 else 4
-    kind = startrail_backward_kind(backward, q.shape[2], k.shape[2], q.shape[3], q.element_size(), acc)
+    b = q.element_size()
+    per_token = LayerShape(
+        1, 1, q.shape[2], k.shape[2], q.shape[3], b, accumulator_bytes(b)
+    )  # B, n, C cancel
+    kind = plan.schedule.backward_variant(backward, per_token)
     return _TeamAttention.apply(q, k, v, sinks, plan, scale, kind)

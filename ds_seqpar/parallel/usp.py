@@ -16,41 +16,47 @@ Every check runs before the first collective.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from ds_seqpar.comm.all_to_all import HeadPlan, seq_to_head
-from ds_seqpar.layout import UspLayout, input_layout
+from ds_seqpar.layout import UspLayout
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.attention import check_softcap, resolve_kernel
 from ds_seqpar.ops.masks import MaskSpec
-from ds_seqpar.ops.sparse_kernels import resolve_sparse_kernel
+from ds_seqpar.ops.precision import accumulation_dtype
+from ds_seqpar.ops.sparse.kernels import resolve_sparse_kernel
 from ds_seqpar.parallel.activation import sparse_layer_active
-from ds_seqpar.parallel.ring import (
-    OutputDelta,
-    RingPlan,
-    WorkCounter,
-    build_schedule,
-    check_qkv,
-    check_sinks,
-    plan_layouts,
-    ring_attention,
-)
+from ds_seqpar.parallel.ring import OutputDelta, RingPlan, WorkCounter, check_qkv, check_sinks, ring_attention
+from ds_seqpar.parallel.sparse_ring import sparse_attention
 from ds_seqpar.parallel.team import team_attention
 from ds_seqpar.parallel.ulysses import gather_heads, local_sinks, scatter_heads
 from ds_seqpar.parallel.ulysses_pipeline import HeadGroups, pipelined_ulysses
 
-DEFAULT_ULYSSES_CHUNKS = 4  # ``ulysses_chunks: "auto"``
+
+@dataclass(frozen=True)
+class Runner:
+    """How a schedule's attention runs on the ring axis: ``run(q, k, v, plan, scale, sinks, settings)`` ->
+    ``(out, lse)``; ``takes_delta``: whether it can skip saving its output (``OutputDelta``)."""
+
+    run: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    takes_delta: bool
 
 
-def _schedule(mesh: SeqParMesh):
-    """The mesh's ring schedule, built once and reused (it owns the double-buffered receive buffers)."""
-    cfg = mesh.settings
-    kind, overlap = cfg.ring.schedule, cfg.ring.overlap
-    key = f"ring_schedule:{kind}:{overlap}:{cfg.ring.team_size}:{cfg.ring.grid}:{cfg.ring_layout[0]}"
-    if key not in mesh.resources:
-        mesh.resources[key] = build_schedule(mesh, kind, overlap)
-    return mesh.resources[key]
+RUNNERS: dict[str, Runner] = {
+    "ring": Runner(
+        lambda q, k, v, plan, scale, sinks, settings: ring_attention(q, k, v, plan, scale, sinks), True
+    ),
+    "team": Runner(
+        lambda q, k, v, plan, scale, sinks, settings: team_attention(
+            q, k, v, plan, softmax_scale=scale, sinks=sinks, backward=settings.ring.startrail_backward
+        ),
+        False,
+    ),
+}
+"""``ScheduleSpec.runner`` -> how ``ds_seqpar.attention`` runs it (the ring engine, or the team wrapper)."""
 
 
 def _check(
@@ -66,7 +72,7 @@ def _check(
     """Validate everything before any collective; return the global length S."""
     check_qkv(q, k, v, "ds_seqpar.attention")
     check_sinks(sinks, q, "ds_seqpar.attention")
-    h = q.shape[2]
+    h, settings = q.shape[2], mesh.settings
     if mesh.ulysses_size > h:
         raise ValueError(
             f"sequence_parallel.ulysses_degree={mesh.ulysses_size} exceeds the {h} query heads of this layer; "
@@ -74,31 +80,37 @@ def _check(
         )
     seq_len = q.shape[1] * layout.world
     layout.check_length(seq_len)
+    sparse = settings.sparse
     if (
-        mesh.settings.attention == "sparse_ring"
-        and mesh.config.sparse.balancing != "none"
-        and seq_len % (layout.ring.world * mesh.config.sparse.block_size) != 0
+        settings.attention == "sparse_ring"
+        and sparse.balancing != "none"
+        and seq_len % (layout.ring.world * sparse.block_size) != 0
     ):
         raise ValueError(
             f"sequence length {seq_len} is not a multiple of ring degree {layout.ring.world} x "
-            f"sparse.block_size {mesh.config.sparse.block_size}; pad it (ds_seqpar.data pads for you)"
+            f"sparse.block_size {sparse.block_size}; pad it (ds_seqpar.data pads for you)"
         )
     if positions is not None:
-        expected = layout.local_positions(seq_len, mesh.coords.sp_rank).to(positions.device)
-        got = positions if positions.dim() == 1 else positions[0]
-        if got.shape != expected.shape or not torch.equal(got.long(), expected):
-            raise ValueError(
-                f"positions of this rank's tokens do not match the '{layout.ring.kind}' layout over "
-                f"{layout.world} SP ranks (expected {expected[:4].tolist()}..., got {got[:4].tolist()}...); "
-                "shard the batch with ds_seqpar's layout (ds_seqpar.parallel.usp.input_layout(mesh)) and pass "
-                "global token positions, not per-document ones (those go in doc_ids)"
-            )
+        _check_positions(positions, layout, seq_len, mesh.coords.sp_rank)
     if doc_ids is not None and doc_ids.shape[-1] != seq_len:
         raise ValueError(
             f"doc_ids has {doc_ids.shape[-1]} tokens but the sequence has S = {q.shape[1]} x {layout.world} = "
             f"{seq_len}; pass document ids of the whole sequence in global order ([S] or [B, S])"
         )
     return seq_len
+
+
+def _check_positions(positions: torch.Tensor, layout: UspLayout, seq_len: int, rank: int) -> None:
+    """The global positions of this rank's tokens must be the layout's (catches data sharded another way)."""
+    expected = layout.local_positions(seq_len, rank).to(positions.device)
+    got = positions if positions.dim() == 1 else positions[0]
+    if got.shape != expected.shape or not torch.equal(got.long(), expected):
+        raise ValueError(
+            f"positions of this rank's tokens do not match the '{layout.ring.name}' layout over "
+            f"{layout.world} SP ranks (expected {expected[:4].tolist()}..., got {got[:4].tolist()}...); "
+            "shard the batch with ds_seqpar's layout (ds_seqpar.input_layout(mesh)) and pass "
+            "global token positions, not per-document ones (those go in doc_ids)"
+        )
 
 
 def attention(
@@ -123,8 +135,8 @@ def attention(
     Args:
         q: ``[B, n, H, D]``; k, v: ``[B, n, H_kv, D]``: this rank's n tokens, sharded with
             ``input_layout(mesh)`` (RoPE already applied with GLOBAL positions).
-        mesh: the ``SeqParMesh``; its ``config`` picks the algorithm (usp | ulysses | ring), ring
-            layout, schedule, overlap and kernel.
+        mesh: the ``SeqParMesh``; its ``settings`` pick the algorithm (usp | ulysses | ring | sparse_ring),
+            ring layout, schedule, overlap and kernel.
         causal: causal mask in global positions (False = encoder attention).
         softmax_scale: default ``D ** -0.5``.
         window: sliding window in positions: query i sees key j iff ``0 <= i - j < window`` (causal; the
@@ -146,74 +158,68 @@ def attention(
         algorithm except ``sparse_ring``, which is exact attention under the estimated vertical-slash
         pattern. A query that sees no key (padding, doc id < 0) outputs 0.
     """
-    cfg = mesh.settings
-    algorithm = cfg.attention
-    if algorithm == "ulysses" and mesh.ring_size != 1:
-        raise ValueError(
-            f"sequence_parallel.attention='ulysses' needs ring degree 1 but the mesh has R={mesh.ring_size}; "
-            "valid: attention='usp' or ulysses_degree=size"
-        )
-    if algorithm == "ring" and mesh.ulysses_size != 1:
-        raise ValueError(
-            f"sequence_parallel.attention='ring' needs ulysses_degree=1 but the mesh has U={mesh.ulysses_size}; "
-            "valid: attention='usp' or ulysses_degree=1"
-        )
-    layout = input_layout(mesh)
+    settings = mesh.settings
+    layout = settings.input_layout()
     seq_len = _check(q, k, v, mesh, layout, positions, doc_ids, sinks)
     softcap = check_softcap(softcap)
-    kernel = cfg.kernel
-    resolve_kernel(kernel, q.device, q.dtype, softcap)  # an unavailable kernel fails here, not mid-collective
-    if algorithm == "sparse_ring" and causal and sparse_layer_active(cfg.sparse, layer, step):
-        from ds_seqpar.parallel.sparse_ring import sparse_attention  # sparse_ring builds on this module
+    resolve_kernel(
+        settings.kernel, q.device, q.dtype, softcap
+    )  # an unavailable kernel fails here, not mid-collective
+    if settings.attention == "sparse_ring" and causal and sparse_layer_active(settings.sparse, layer, step):
+        resolve_sparse_kernel(settings.sparse.kernel, q.device, q.dtype)  # fails here, not mid-collective
+        mask = dict(window=window, doc_ids=doc_ids, work=work, layer=layer, softcap=softcap, sinks=sinks)
+        return sparse_attention(q, k, v, mesh=mesh, layout=layout, schedule=mesh.schedule(), seq_len=seq_len,
+                                softmax_scale=softmax_scale, **mask)  # fmt: skip
+    plan = _ring_plan(mesh, layout, MaskSpec(causal=causal, window=window), doc_ids, work, softcap)
+    return _ulysses_over_ring(q, k, v, mesh, plan, softmax_scale, sinks)
 
-        resolve_sparse_kernel(cfg.sparse.kernel, q.device, q.dtype)  # fails here, not mid-collective
-        return sparse_attention(
-            q,
-            k,
-            v,
-            mesh=mesh,
-            layout=layout,
-            schedule=_schedule(mesh),
-            seq_len=seq_len,
-            softmax_scale=softmax_scale,
-            window=window,
-            doc_ids=doc_ids,
-            work=work,
-            layer=layer,
-            softcap=softcap,
-            sinks=sinks,
-        )
-    schedule = _schedule(mesh)
-    kv_layout, query_layout = plan_layouts(schedule, layout.ring)
-    plan = RingPlan(
-        schedule,
-        kv_layout,
-        MaskSpec(causal=causal, window=window),
-        doc_ids,
-        kernel,
-        work,
-        softcap=softcap,
-        query_layout=query_layout,
+
+def _ring_plan(
+    mesh: SeqParMesh,
+    layout: UspLayout,
+    mask: MaskSpec,
+    doc_ids: torch.Tensor | None,
+    work: WorkCounter | None,
+    softcap: float | None,
+) -> RingPlan:
+    """The ring engine's plan under the mesh's schedule: its K/V and query layouts over the ring layout."""
+    settings, schedule = mesh.settings, mesh.schedule()
+    kv_layout, query_layout = settings.schedule.layouts(schedule, layout.ring)
+    return RingPlan(
+        schedule, kv_layout, mask, doc_ids, settings.kernel, work, softcap=softcap, query_layout=query_layout
     )
-    team = hasattr(schedule, "team_comm")  # StarTrail / ATTENTION2D: parallel/team.py
-    run = functools.partial(team_attention, backward=cfg.ring.startrail_backward) if team else ring_attention
+
+
+def _ulysses_over_ring(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mesh: SeqParMesh,
+    plan: RingPlan,
+    scale: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Ulysses all-to-all over heads (pipelined in head groups when R = 1), the schedule's ring-axis
+    attention, and the inverse all-to-all: ``[B, n, H, D]`` in, the same out."""
+    runner = RUNNERS[mesh.settings.schedule.runner]
+    run = functools.partial(_run, runner, plan, scale, mesh.settings)
     heads = HeadPlan.build(q.shape[2], k.shape[2], mesh.ulysses_size)
     groups = _head_groups(mesh, heads)
     if groups is not None:
-
-        def attend(
-            q_g: torch.Tensor, k_g: torch.Tensor, v_g: torch.Tensor, sinks_g: torch.Tensor | None
-        ) -> torch.Tensor:
-            return run(q_g, k_g, v_g, plan, softmax_scale, sinks_g)[0]
-
-        return pipelined_ulysses(q, k, v, heads, groups, mesh, attend, sinks)
+        return pipelined_ulysses(q, k, v, heads, groups, mesh, run, sinks)
     q2, k2, v2 = scatter_heads(q, k, v, heads, mesh, separate=mesh.ring_size > 1)
-    if sinks is not None or mesh.sp_size == 1 or team:  # one rank: nothing is kept twice
-        out, _ = run(q2, k2, v2, plan, softmax_scale, local_sinks(sinks, heads, mesh))
-        return gather_heads(out, heads, mesh)
+    if sinks is not None or mesh.sp_size == 1 or not runner.takes_delta:  # one rank: nothing is kept twice
+        return gather_heads(run(q2, k2, v2, local_sinks(sinks, heads, mesh)), heads, mesh)
     delta = OutputDelta()
-    out, _ = ring_attention(q2, k2, v2, plan, softmax_scale, delta=delta)
+    out, _ = ring_attention(q2, k2, v2, plan, scale, delta=delta)
     return _OutputDeltaTap.apply(gather_heads(out, heads, mesh), delta, heads, mesh)
+
+
+def _run(
+    runner: Runner, plan: RingPlan, scale: float | None, settings: object, q, k, v, sinks
+) -> torch.Tensor:
+    """The ring-axis attention of Ulysses-scattered q, k, v ``[B, S/R, h_u, D]``: its output."""
+    return runner.run(q, k, v, plan, scale, sinks, settings)[0]
 
 
 DELTA_CHUNK_TOKENS = 8192  # tokens per chunk of the rowsum(dout * out) in the output's backward
@@ -237,7 +243,7 @@ class _OutputDeltaTap(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         (out,) = ctx.saved_tensors
-        acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+        acc = accumulation_dtype(out.dtype)
         rowdot = torch.empty(out.shape[:-1], dtype=acc, device=out.device)  # [B, n, H]
         for s in range(0, out.shape[1], DELTA_CHUNK_TOKENS):
             part = slice(s, s + DELTA_CHUNK_TOKENS)
@@ -255,5 +261,4 @@ def _head_groups(mesh: SeqParMesh, heads: HeadPlan) -> HeadGroups | None:
     """Pipelined head groups for a Ulysses-only mesh (R = 1, U > 1), or None for one exchange."""
     if mesh.ring_size != 1 or mesh.ulysses_size == 1:
         return None
-    wanted = mesh.settings.ulysses_chunks
-    return HeadGroups.build(heads, DEFAULT_ULYSSES_CHUNKS if wanted == "auto" else wanted)
+    return HeadGroups.build(heads, mesh.settings.ulysses_chunks)

@@ -1,0 +1,332 @@
+"""``train.py``: long-context fine-tuning of a HuggingFace causal LM with sequence parallelism.
+
+    deepspeed --num_gpus N train.py --ds_config ds_configs/usp_zero3.json [--model PATH] [--data PATH]
+    torchrun --nproc_per_node N train.py --ds_config ds_configs/usp_zero3.json ...
+
+Without ``--model`` / ``--data`` it runs the embedded default: the shipped tiny Llama
+(``assets/tiny-llama``, random init) learns passkey retrieval at 4096 tokens, where the answer sits
+a whole sequence before the question (``ds_seqpar.tasks.passkey``); it prints retrieval accuracy
+before and after. ``--objective mlm`` trains a masked-LM encoder instead (default: the shipped tiny
+ModernBERT, ``assets/tiny-modernbert``, on the same passkey rows with every answer replaced by the mask
+token, ``ds_seqpar.tasks.masking.MaskedAnswers``; with ``--data``, 15 % of the tokens masked per sample by
+BERT's rule; accuracy is over the masked tokens). Outputs (``--output-dir``): ``metrics.jsonl`` (one line
+per step and per eval), DeepSpeed checkpoints under ``checkpoints/`` every ``--save-every`` steps
+(``--resume`` continues from the latest), and the final HF model in ``hf_model/`` (``save_pretrained``,
+gathered from ZeRO-3). Every flag and the whole config are checked before any process group starts
+(``cli/args.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ds_seqpar.cli.args import DEFAULT_TASK_LR, PASSKEYS, model_config, model_path, parse_args
+from ds_seqpar.cli.data import batches, datasets
+from ds_seqpar.cli.log import RunLog, memory_metrics, sparse_metrics
+from ds_seqpar.errors import MissingFileError
+
+__all__ = ["main", "max_seq_len_search", "memory_report"]
+
+
+@dataclass
+class _Run:
+    """What the training loop works with, set up by :func:`_start`."""
+
+    engine: Any
+    mesh: Any
+    model: torch.nn.Module
+    tokenizer: Any
+    train_sets: list[Any]
+    eval_loader: Any
+    loader_for: Any
+    watch: Any
+    ckpt_dir: Path
+    start: int
+    history: Any
+    dp: int
+    micro: int
+    rank: int
+    world: int
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run training; returns a summary (final metrics and output paths) on every rank."""
+    # DeepSpeed calls torch.distributed functions that torch 2.13 renamed; one warning per call is noise
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use", category=FutureWarning)
+    args = parse_args(argv)
+    if args.max_seq_len_search is not None:
+        best = max_seq_len_search(args, int(os.environ.get("WORLD_SIZE", str(args.section.size))))
+        return {"max_seq_len": best}
+    run = _start(args)
+    log = RunLog(args, run.rank, run.start, run.engine)
+    _announce(args, run, log)
+    first = _evaluate(run.engine, run.eval_loader)
+    log.record({"step": run.start, **first})
+    log.say(f"step {run.start}: eval loss {first['eval_loss']:.4f}, accuracy {first['eval_accuracy']:.3f}")
+    step, last = _train(args, run, log, first)
+    if run.start < args.max_steps:
+        run.engine.save_checkpoint(str(run.ckpt_dir), tag=f"step{step}", client_state=_ckpt_state(run, step))
+    if not args.no_export:
+        _export(run.engine, run.model, run.tokenizer, Path(args.output_dir) / "hf_model", run.rank)
+    run.watch.close()
+    log.close()
+    return _summary(args, run, step, first, last)
+
+
+def _ds_config(args: argparse.Namespace) -> tuple[dict[str, Any], float | None]:
+    """The DeepSpeed dict for ``ds_seqpar.initialize`` (the section with the flags' overrides, the lr) and lr."""
+    ds_config = dict(args.ds_config_dict)
+    ds_config["sequence_parallel"] = args.section.model_dump(
+        exclude_unset=True
+    )  # re-parsed: keep "unset" unset
+    lr = (
+        args.lr
+        if args.lr is not None
+        else (DEFAULT_TASK_LR if args.model is None and args.data is None else None)
+    )
+    if lr is not None and isinstance(ds_config.get("optimizer"), dict):
+        ds_config["optimizer"] = {
+            **ds_config["optimizer"],
+            "params": {**ds_config["optimizer"].get("params", {}), "lr": lr},
+        }
+    return ds_config, lr
+
+
+def _start(args: argparse.Namespace) -> _Run:
+    """torch.distributed, tokenizer, model, data, the DeepSpeed engine (resumed with --resume) and loaders."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    import ds_seqpar
+    from ds_seqpar.checkpoint_resume import SampleHistory, prepare_resume, resumed_history
+    from ds_seqpar.comm.step_watch import StepWatch
+    from ds_seqpar.integrations.deepspeed import init_distributed
+
+    init_distributed(args.settings.fault_timeout_s)
+    rank, out_dir = dist.get_rank(), Path(args.output_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_path(args), trust_remote_code=args.trust_remote_code)
+    model = _build_model(args)
+    ds_config, lr = _ds_config(args)
+    dp = dist.get_world_size() // args.section.size
+    micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
+    train_sets, eval_set = datasets(args, tokenizer, num_train=args.max_steps * micro * dp)
+    optimizer = None
+    if "optimizer" not in ds_config:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr or 1e-4, weight_decay=0.0)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    # --resume on another world size: rank 0 converts the checkpoint to DeepSpeed's universal format
+    resume = prepare_resume(out_dir / "checkpoints") if args.resume else None
+    if resume is not None:
+        ds_config = resume.configure(ds_config)
+    engine, _, _, _ = ds_seqpar.initialize(model=model, config=ds_config, optimizer=optimizer)
+    mesh = engine.seqpar_mesh
+
+    def loader_for(dataset: Any, shuffle: bool, drop_last: bool = True) -> Any:
+        return ds_seqpar.seqpar_dataloader(
+            dataset, mesh, micro, shuffle=shuffle, seed=args.seed, pad_token_id=pad, drop_last=drop_last,
+            objective=engine.module.objective,
+        )  # fmt: skip
+
+    eval_loader = loader_for(eval_set, shuffle=False, drop_last=False)
+    watch = StepWatch()  # a failed, dead or hung rank is named with its step instead of a bare comm error
+    ckpt_dir, start = out_dir / "checkpoints", 0
+    history = SampleHistory.fresh(micro * dp)  # samples per step over the run, for the data position
+    if resume is not None:
+        path, client = engine.load_checkpoint(str(ckpt_dir), tag=resume.tag)
+        if path is None:
+            raise MissingFileError(f"--resume: no checkpoint under {ckpt_dir}; run without --resume first")
+        start = int(client["step"])
+        history = resumed_history(client, start, micro * dp)
+        if args.data is None and history.samples(0, args.max_steps) > args.max_steps * micro * dp:
+            train_sets, _ = datasets(args, tokenizer, num_train=history.samples(0, args.max_steps))
+    world = dist.get_world_size()
+    return _Run(engine, mesh, model, tokenizer, train_sets, eval_loader, loader_for, watch, ckpt_dir, start,
+                history, dp, micro, rank, world)  # fmt: skip
+
+
+def _ckpt_state(run: _Run, at: int) -> dict[str, Any]:
+    from ds_seqpar.checkpoint_resume import client_state
+
+    shape = {"world_size": run.world, "dp_size": run.dp, "sp_size": run.mesh.sp_size}
+    return client_state(at, run.history, micro_batch=run.micro, **shape)
+
+
+def _announce(args: argparse.Namespace, run: _Run, log: RunLog) -> None:
+    """The run's mesh, algorithm and layout (the mesh's own settings), and the memory model's prediction."""
+    settings = run.mesh.settings
+    log.say(
+        f"ds_seqpar: {run.mesh.describe()} | {settings.attention}, layout {settings.ring.layout}, "
+        f"S={args.seq_len}, {run.mesh.sp_size} ranks per sequence, lr {run.engine.optimizer.param_groups[0]['lr']:g}, "
+        f"output in {Path(args.output_dir)}"
+    )
+    if run.rank == 0:
+        estimate = memory_report(args, run.world)
+        log.say(
+            f"memory: {run.engine.module.memory.describe()}; predicted peak per rank at S={args.seq_len} "
+            f"({estimate.phase}):\n{estimate.table()}"
+        )
+
+
+def _train(args: argparse.Namespace, run: _Run, log: RunLog, first: dict[str, float]) -> tuple[int, dict]:
+    """Every phase of the curriculum from ``run.start``; returns the last step and the last evaluation."""
+    step, last, phase_start = run.start, first, 0
+    for (seq_len, phase_steps), dataset in zip(args.phases, run.train_sets):
+        phase_end = phase_start + phase_steps
+        if step < phase_end:
+            if seq_len != args.seq_len:
+                log.say(f"curriculum: steps {step + 1}-{phase_end} at {seq_len} tokens, then {args.seq_len}")
+            skip = run.history.skip(phase_start, step, run.micro * run.dp)  # in samples: dp may have changed
+            stream = batches(run.loader_for(dataset, shuffle=args.data is not None), skip=skip)
+        while step < phase_end:
+            step = _step(run, log, next(stream), step)
+            if args.save_every and step % args.save_every == 0 and step < args.max_steps:
+                run.engine.save_checkpoint(
+                    str(run.ckpt_dir), tag=f"step{step}", client_state=_ckpt_state(run, step)
+                )
+            if (args.eval_every and step % args.eval_every == 0) or step == args.max_steps:
+                last = _evaluate(run.engine, run.eval_loader)
+                log.record({"step": step, **last})
+                log.say(
+                    f"step {step}: eval loss {last['eval_loss']:.4f}, accuracy {last['eval_accuracy']:.3f}"
+                )
+        phase_start = phase_end
+    return step, last
+
+
+def _step(run: _Run, log: RunLog, batch: dict[str, Any], step: int) -> int:
+    """One optimizer step on ``batch`` and its metrics row; returns the new step count."""
+    engine = run.engine
+    engine.module.step = step  # sparse.dense_warmup_steps counts optimizer steps
+    t0 = time.perf_counter()
+    with run.watch.step(step + 1), run.mesh.comm_stats.measure() as comm:
+        loss = engine(**batch)
+        engine.backward(loss)
+        engine.step()
+    dt = time.perf_counter() - t0
+    tokens = batch["seq_len"] * batch["input_ids"].shape[0] * run.dp
+    log.step(
+        {
+            "step": step + 1,
+            "loss": loss.item(),
+            "tokens_per_s": tokens / dt,
+            "seq_len": batch["seq_len"],
+            "comm_MiB": comm.total_bytes / 2**20,
+            "step_time_s": dt,
+            **memory_metrics(loss.device),
+            **sparse_metrics(run.mesh),
+        }
+    )
+    return step + 1
+
+
+def _summary(args: argparse.Namespace, run: _Run, step: int, first: dict, last: dict) -> dict[str, Any]:
+    """The run's summary on every rank; rank 0 prints its line."""
+    out_dir = Path(args.output_dir)
+    summary = {
+        "step": step,
+        **{f"start_{k}": v for k, v in first.items()},
+        **last,
+        "output_dir": str(out_dir),
+        "metrics": str(out_dir / "metrics.jsonl"),
+        "checkpoints": str(run.ckpt_dir),
+        "hf_model": None if args.no_export else str(out_dir / "hf_model"),
+    }
+    if run.rank == 0:
+        task = ""
+        if args.data is None:
+            masked = ", masked answers" if args.objective == "mlm" else ""
+            task = f" (passkey retrieval{masked}, chance {1 / PASSKEYS:.3f})"
+        elif args.objective == "mlm":
+            task = " (masked tokens)"
+        print(
+            f"done: {step} steps; accuracy {first['eval_accuracy']:.3f} -> {last['eval_accuracy']:.3f}{task}"
+            + f"; metrics {summary['metrics']}, checkpoints {run.ckpt_dir}"
+            + ("" if args.no_export else f", HF model {summary['hf_model']}"),
+            flush=True,
+        )
+    return summary
+
+
+def memory_report(args: argparse.Namespace, world: int, seq_len: int | None = None) -> Any:
+    """The memory model's estimate for this run (per rank), from the config, model and world."""
+    from ds_seqpar.memory import memory_estimate
+
+    return memory_estimate(
+        model_config(args), seq_len or args.seq_len, args.section, **_run_sizes(args, world)
+    )
+
+
+def _run_sizes(args: argparse.Namespace, world: int) -> dict[str, int]:
+    """The memory model's keyword arguments that the DeepSpeed config and the world decide."""
+    ds = args.ds_config_dict
+    half = bool(ds.get("bf16", {}).get("enabled")) or bool(ds.get("fp16", {}).get("enabled"))
+    return {
+        "world_size": world,
+        "zero_stage": int(ds.get("zero_optimization", {}).get("stage", 0)),
+        "micro_batch": int(ds.get("train_micro_batch_size_per_gpu", 1)),
+        "bytes_per_element": 2 if half else 4,
+    }
+
+
+def max_seq_len_search(args: argparse.Namespace, world: int) -> int:
+    """Print and return the largest S (a multiple of the layout's) whose predicted peak fits the budget."""
+    from ds_seqpar.memory import largest_seq_len
+
+    budget = int(args.max_seq_len_search * 2**20)
+    multiple = args.settings.input_layout().multiple
+    sizes = _run_sizes(args, world)
+    best = largest_seq_len(model_config(args), args.section, budget, multiple=multiple, **sizes)
+    print(
+        f"max-seq-len-search: {args.max_seq_len_search:g} MiB per rank, {world} ranks, memory "
+        f"{args.section.memory.model_dump()}: largest --seq-len {best} (a multiple of {multiple})",
+        flush=True,
+    )
+    if best:
+        print(memory_report(args, world, best).table(), flush=True)
+    return best
+
+
+def _build_model(args: argparse.Namespace) -> torch.nn.Module:
+    """The model of --model (random weights for the embedded task or --random-init), in float32."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    config = model_config(args)
+    auto = AutoModelForMaskedLM if args.objective == "mlm" else AutoModelForCausalLM
+    if args.model is None or args.random_init:
+        torch.manual_seed(args.seed)
+        return auto.from_config(config, dtype=torch.float32)
+    return auto.from_pretrained(
+        args.model, config=config, trust_remote_code=args.trust_remote_code, dtype=torch.float32
+    )
+
+
+def _evaluate(engine: Any, loader: Any) -> dict[str, float]:
+    """Token-weighted eval loss and accuracy over ``loader`` (the engine back in train mode after)."""
+    engine.eval()
+    totals = torch.zeros(3)
+    for batch in loader:
+        res = engine.module.evaluate(**batch)
+        totals += torch.stack([res["loss"] * res["count"], res["correct"], res["count"]]).cpu()
+    engine.train()
+    count = max(totals[2].item(), 1.0)
+    return {"eval_loss": totals[0].item() / count, "eval_accuracy": totals[1].item() / count}
+
+
+def _export(engine: Any, model: torch.nn.Module, tokenizer: Any, out_dir: Path, rank: int) -> None:
+    """Save the trained model in HF format, gathering ZeRO-3 partitions onto rank 0."""
+    if engine.zero_optimization_stage() == 3:
+        state = engine._zero3_consolidated_16bit_state_dict()
+    else:
+        state = engine.module.state_dict()
+    if rank == 0:
+        state = {k.removeprefix("model."): v for k, v in state.items()}
+        model.save_pretrained(out_dir, state_dict=state)
+        tokenizer.save_pretrained(out_dir)

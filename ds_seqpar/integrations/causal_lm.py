@@ -1,0 +1,361 @@
+"""The model wrappers of sequence parallelism: ``SeqParCausalLM`` (a causal LM: sharded batch in, SP-group
+loss out) and ``SeqParMaskedLM`` (a bidirectional masked-LM encoder); ``seq2seq.py`` adds the
+encoder-decoder. Each routes the model's sequence mixing (``routing.py``), makes the forward's context
+(``context.py``), applies the memory savings, and refuses inputs it cannot honour before any collective.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ds_seqpar.data import check_objective
+from ds_seqpar.integrations.context import ACTIVE_CONTEXT, CONTEXT_KEY, SeqParContext
+from ds_seqpar.integrations.hf_attention import FEED_FORWARD_LAYER_TYPES
+from ds_seqpar.integrations.hf_model import (
+    ModelLogits,
+    UnsupportedModelError,
+    check_token_locality,
+    decoder_of,
+    expected_window,
+    refuse_unhonoured_features,
+    unwrap_hf_model,
+)
+from ds_seqpar.integrations.recurrent_layers import has_recurrent_layers, refuse_recurrent_layers
+from ds_seqpar.integrations.routing import enable_sequence_parallel
+from ds_seqpar.loss import sp_causal_lm_loss
+from ds_seqpar.memory import enable_memory_savings
+from ds_seqpar.mesh import SeqParMesh
+from ds_seqpar.parallel.work import WorkCounter
+from ds_seqpar.settings import input_layout
+
+__all__ = ["SHARD_EXTRAS", "SeqParCausalLM", "SeqParMaskedLM"]
+
+SHARD_EXTRAS = ("seq_len",)  # what shard_batch adds besides the model inputs
+
+
+@dataclass(frozen=True)
+class _ModelParts:
+    """The HF model inside a (PEFT) wrapper, its decoder, its logits, which decoder layer each
+    submodule belongs to (``layer_of``, over ``num_layers`` layers) and the sliding window its config
+    promises (``window``); kept out of the module tree."""
+
+    hf: torch.nn.Module
+    decoder: torch.nn.Module
+    logits: ModelLogits
+    layer_of: dict[int, int]
+    num_layers: int | None
+    window: int | None
+
+
+def _decoder_layers(
+    decoder: torch.nn.Module, hf: torch.nn.Module
+) -> tuple[dict[int, int], int | None, list[torch.nn.Module]]:
+    """``{id(submodule): layer index}`` over the decoder's layer list (the ModuleList with one entry per
+    ``num_hidden_layers``), the layer count, and the layers; an empty map and list when no such list exists."""
+    config = getattr(decoder, "config", hf.config)
+    expected = getattr(config, "num_hidden_layers", None)
+    if getattr(config, "is_encoder_decoder", False):  # Whisper, BART: num_hidden_layers is the encoder's
+        expected = getattr(config, "decoder_layers", expected)
+    for module in decoder.modules():
+        if isinstance(module, torch.nn.ModuleList) and expected is not None and len(module) == expected:
+            layers = list(module)
+            return {id(m): i for i, layer in enumerate(layers) for m in layer.modules()}, expected, layers
+    return {}, expected, []
+
+
+class SeqParCausalLM(torch.nn.Module):
+    """A causal LM under sequence parallelism: sharded batch in, SP-group loss out.
+
+    ``forward(input_ids, shift_labels, position_ids, doc_ids=None, **extra)`` takes the output of
+    ``ds_seqpar.data.shard_batch`` (position_ids must be the global positions of the shard; a 4-D
+    ``attention_mask`` in ``extra`` is refused) and returns the token-weighted loss of the SP group (see
+    ``ds_seqpar.loss``); logits are computed in chunks and never materialised for the whole shard.
+
+    ``step`` (set by the training loop; ``train.py`` and ``SeqParTrainer`` do) is the optimizer step
+    that ``sequence_parallel.sparse.dense_warmup_steps`` counts.
+
+    Logits are the model's own (``integrations/hf_model.ModelLogits``): its forward after the decoder
+    runs on each chunk of hidden states, so final norms, soft-caps and logit scales apply exactly.
+
+    Args:
+        model: a HuggingFace ``*ForCausalLM`` (its attention is switched to ``"ds_seqpar"``), a PEFT
+            wrapper of one, or a composite model whose language model sits under ``text_config``
+            (text-only batches; its vision tower is not called).
+        mesh: the SP mesh.
+        grad_scale: see ``ds_seqpar.loss.sp_grad_scale``.
+        loss_chunk_size: tokens per logits chunk.
+    """
+
+    objective = "causal"  # SeqParMaskedLM: "masked"
+    encoder_states = False  # SeqParSeq2SeqLM: the decoder attends to encoder states
+
+    def __init__(
+        self, model: torch.nn.Module, mesh: SeqParMesh, grad_scale: float = 1.0, loss_chunk_size: int = 1024
+    ) -> None:
+        super().__init__()
+        check_objective(self.objective)
+        hf = unwrap_hf_model(model)
+        decoder = decoder_of(hf)
+        refuse_unhonoured_features(hf)
+        refuse_recurrent_layers(hf)
+        if getattr(hf, "_ds_seqpar_original_attn", None) is None and not has_recurrent_layers(hf):
+            # one process, before the attention is switched
+            check_token_locality(hf, decoder, self.objective, encoder_states=self.encoder_states)
+        self.model = enable_sequence_parallel(model)
+        layer_of, num_layers, layers = _decoder_layers(decoder, hf)
+        self._parts = _ModelParts(
+            hf, decoder, ModelLogits(hf, decoder), layer_of, num_layers, expected_window(hf)
+        )
+        self.mesh = mesh
+        self.memory = enable_memory_savings(hf, decoder, layers, mesh.settings.memory, mesh.group("sp_dp"))
+        self.grad_scale = grad_scale
+        self.loss_chunk_size = loss_chunk_size
+        self.last_num_tokens: torch.Tensor | None = None
+        self.work = WorkCounter()
+        self.step = 0  # training step, for sparse.dense_warmup_steps; the training loop sets it
+
+    @property
+    def config(self) -> Any:
+        return self._parts.hf.config
+
+    def _hidden(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None,
+        ctx: SeqParContext | None = None,
+        **decoder_inputs: Any,
+    ) -> torch.Tensor:
+        """Final hidden states ``[B, n, E]`` of this rank's tokens (every layer's attention over the group).
+        ``ctx``: a context made by a subclass (``_context``); ``decoder_inputs``: more inputs of the decoder."""
+        self._check_positions(input_ids, position_ids, doc_ids)
+        parts = self._parts
+        if self.memory.plan is not None:
+            zero3 = any(hasattr(p, "ds_id") for p in itertools.islice(parts.decoder.parameters(), 1))
+            self.memory.plan.plan(input_ids.shape[-1], input_ids.device, agree=zero3)
+        ctx = ctx or self._context(doc_ids)
+        token = ACTIVE_CONTEXT.set(ctx)
+        try:
+            hidden = parts.decoder(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=False,
+                **decoder_inputs,
+                **{CONTEXT_KEY: ctx},
+            )
+        finally:
+            ACTIVE_CONTEXT.reset(token)
+        hidden = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
+        self._check_calls(ctx)
+        return hidden
+
+    def _context(self, doc_ids: torch.Tensor | None) -> SeqParContext:
+        return SeqParContext(self.mesh, doc_ids, self.work, self.step, layer_of=self._parts.layer_of)
+
+    def _check_calls(self, ctx: SeqParContext) -> None:
+        """Every decoder layer must have split its sequence mixing over the group, and a window the
+        config promises must have reached the attention; raised identically on every rank."""
+        hf, expected = self._parts.hf, self._parts.num_layers
+        missing: list[int] = []
+        if self._parts.layer_of:
+            # a layer the config declares feed-forward only (Nemotron-H's "mlp" / "moe") mixes no tokens
+            types = getattr(getattr(self._parts.decoder, "config", hf.config), "layer_types", None) or ()
+            idle = {i for i, kind in enumerate(types) if kind in FEED_FORWARD_LAYER_TYPES}
+            missing = sorted(set(range(expected)) - ctx.layers - idle)
+        elif ctx.calls == 0 or (expected is not None and ctx.calls < expected):
+            missing = [-1]
+        if missing:
+            where = "" if missing == [-1] else f" (layers {missing[:8]} made no call)"
+            raise UnsupportedModelError(
+                f"{type(hf).__name__} (original attn_implementation="
+                f"{getattr(hf, '_ds_seqpar_original_attn', None)!r}) called the ds_seqpar attention "
+                f"{ctx.calls} times for {expected} layers{where}: some attention does not dispatch through "
+                "transformers' attention interface, so it cannot be split over the sequence"
+            )
+        if self.objective == "causal" and ctx.bidirectional:
+            raise UnsupportedModelError(
+                f"{type(hf).__name__}: {ctx.bidirectional} of {ctx.calls} attention calls are bidirectional (is_causal="
+                "False): it is an encoder, not a causal LM; train it with ds_seqpar.SeqParMaskedLM (train.py "
+                "--objective mlm), which also masks the padding that a bidirectional attention would see"
+            )
+        window = self._parts.window
+        if window is not None and ctx.windows == 0:
+            raise UnsupportedModelError(
+                f"{type(hf).__name__}: config.sliding_window={window} but no attention layer passed a sliding window "
+                "to the attention (the family builds the window into a mask, which ds_seqpar does not receive); "
+                "this model cannot run under ds_seqpar"
+            )
+
+    def _check_positions(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, doc_ids: torch.Tensor | None
+    ) -> None:
+        """RoPE needs the GLOBAL position of every local token; refuse anything else before any collective."""
+        if position_ids is None:
+            raise ValueError(
+                "position_ids is missing: under sequence parallelism each rank holds a slice of the sequence, so "
+                "RoPE needs the global positions of its tokens; pass the batch from ds_seqpar.shard_batch"
+            )
+        if tuple(position_ids.shape[-1:]) != tuple(input_ids.shape[-1:]):
+            raise ValueError(
+                f"position_ids has shape {tuple(position_ids.shape)} but input_ids {tuple(input_ids.shape)}: "
+                "give one position per local token (ds_seqpar.shard_batch does)"
+            )
+        if doc_ids is not None or self.mesh.sp_size == 1:
+            return  # packed documents restart their positions; one rank holds everything
+        layout = input_layout(self.mesh)
+        n = input_ids.shape[-1]
+        expected = layout.local_positions(n * self.mesh.sp_size, self.mesh.coords.sp_rank).to(
+            position_ids.device
+        )
+        got = (position_ids if position_ids.dim() == 1 else position_ids[0]).long()
+        if not torch.equal(got, expected):
+            raise ValueError(
+                f"position_ids of SP rank {self.mesh.coords.sp_rank} are not the global positions of its tokens: got "
+                f"{got[:4].tolist()}..., expected {expected[:4].tolist()}... (layout {layout.ring.name}); local "
+                "positions 0..n-1 would give every rank the same RoPE. Pass the batch from ds_seqpar.shard_batch"
+            )
+
+    def _refuse_masks(self, extra: dict[str, Any]) -> None:
+        """Only what ``shard_batch`` produces; any other input the model would use is refused by name."""
+        mask = extra.get("attention_mask")
+        if mask is not None:
+            raise ValueError(
+                f"attention_mask of shape {tuple(torch.as_tensor(mask).shape)} cannot be honoured under sequence "
+                "parallelism (no rank holds the whole [S, S] mask): give padding as a 2-D attention_mask to "
+                "ds_seqpar.shard_batch, and packed documents as position_ids that restart per document"
+            )
+        unknown = sorted(k for k, v in extra.items() if v is not None and k not in SHARD_EXTRAS)
+        if unknown:
+            labels = "shift_labels" if self.objective == "causal" else "labels"
+            raise ValueError(
+                f"{type(self).__name__} got inputs {unknown} that it would not pass to the model; it trains on token "
+                f"ids only (input_ids, {labels}, position_ids, doc_ids from ds_seqpar.shard_batch"
+                f"{'' if self.objective == 'causal' else '(objective=masked)'}): images, token types or embeddings "
+                "cannot be split over the sequence"
+            )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        shift_labels: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        **extra: Any,
+    ) -> torch.Tensor:
+        return self._loss(input_ids, shift_labels, position_ids, doc_ids, extra)
+
+    def _loss(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None,
+        extra: dict[str, Any],
+    ) -> torch.Tensor:
+        """The SP group's token-weighted loss of ``targets [B, n]`` (-100 = no label) at this rank's tokens."""
+        self._refuse_masks(extra)
+        return self._token_loss(self._hidden(input_ids, position_ids, doc_ids), targets)
+
+    def _token_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The SP group's token-weighted loss of final hidden states ``[B, n, E]`` against ``targets [B, n]``."""
+        loss, num_tokens = sp_causal_lm_loss(
+            hidden,
+            targets,
+            self._parts.logits,
+            self.mesh.group("sp"),
+            grad_scale=self.grad_scale,
+            chunk_size=self.loss_chunk_size,
+        )
+        self.last_num_tokens = num_tokens
+        return loss
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        input_ids: torch.Tensor,
+        shift_labels: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        **extra: Any,
+    ) -> dict[str, torch.Tensor]:
+        """Loss and next-token accuracy over the labelled tokens of the whole SP group.
+
+        Logits are computed only at labelled positions. Returns tensors ``loss``, ``correct`` and
+        ``count`` (summed over the SP group; identical on its ranks).
+        """
+        return self._evaluate(input_ids, shift_labels, position_ids, doc_ids, extra)
+
+    def _evaluate(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None,
+        extra: dict[str, Any],
+    ) -> dict[str, torch.Tensor]:
+        self._refuse_masks(extra)
+        return self._token_accuracy(self._hidden(input_ids, position_ids, doc_ids), targets)
+
+    def _token_accuracy(self, hidden: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Loss, correct and count over the labelled ``targets [B, n]`` of the SP group, from ``hidden [B, n, E]``."""
+        labelled = targets != -100
+        logits = self._parts.logits(hidden[labelled][None])[0].float()  # [T, V], T labelled tokens
+        targets = targets[labelled]
+        totals = torch.stack(
+            [
+                torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+                if targets.numel()
+                else logits.sum(),
+                (logits.argmax(-1) == targets).sum().float(),
+                torch.tensor(float(targets.numel()), device=logits.device),
+            ]
+        )
+        group = self.mesh.group("sp")
+        if self.mesh.sp_size > 1:
+            torch.distributed.all_reduce(totals, group=group)
+        count = totals[2].clamp(min=1.0)
+        return {"loss": totals[0] / count, "correct": totals[1], "count": totals[2]}
+
+
+class SeqParMaskedLM(SeqParCausalLM):
+    """A bidirectional encoder with a masked-LM head under sequence parallelism (RingFormer's setting).
+
+    ``forward(input_ids, labels, position_ids, doc_ids=None, **extra)`` takes the output of
+    ``ds_seqpar.shard_batch(..., objective="masked")``: ``labels`` are the original ids at the masked
+    tokens and -100 elsewhere, NOT shifted; padding (also the layout's) has document id -1, so no real
+    token attends to it. The loss is the token-weighted mean over the masked tokens of the whole SP
+    group, exactly as for ``SeqParCausalLM`` (``ds_seqpar.loss``); every attention layer runs
+    non-causal over the whole group (ring / Ulysses / USP), sliding windows symmetric
+    (``|i - j| < window``, ModernBERT's local layers), packed documents separated by ``doc_ids``.
+
+    Args: as ``SeqParCausalLM``; ``model`` is a HuggingFace ``*ForMaskedLM`` (ModernBERT, BERT, ...)
+        whose positions come from ``position_ids`` (RoBERTa-style padding-offset positions are refused).
+    """
+
+    objective = "masked"
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        **extra: Any,
+    ) -> torch.Tensor:
+        return self._loss(input_ids, labels, position_ids, doc_ids, extra)
+
+    @torch.no_grad()
+    def evaluate(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        **extra: Any,
+    ) -> dict[str, torch.Tensor]:
+        """Loss and accuracy over the masked tokens of the whole SP group (see ``SeqParCausalLM.evaluate``)."""
+        return self._evaluate(input_ids, labels, position_ids, doc_ids, extra)

@@ -1,0 +1,137 @@
+"""Route the recurrent layers of HuggingFace hybrid models through ds_seqpar: a registry of layer class -> adapter.
+
+"Recurrent" is the one word for these layers (linear attention, gated delta rules, Mamba2): everything
+whose sequence mixing is a state carried along the sequence rather than softmax attention.
+
+Each adapter replaces one layer instance's forward with one that keeps the module's own projections,
+convolution weights, norms, gates and output, and hands only what spans the sequence to ds_seqpar
+(``integrations/recurrent_adapters.py``; conventions per family in docs/delta.md):
+
+    class (transformers 5.x)                               what runs under SP
+    MiniMaxLightningAttention                              linear attention, decay per head (All-Scan)
+    Qwen3NextGatedDeltaNet, Qwen3_5GatedDeltaNet           conv1d halo + gated delta rule (matrix All-Scan)
+    Qwen3_5MoeGatedDeltaNet
+    KimiLinearDeltaAttention (Kimi Delta Attention)        conv1d halo + delta rule with per-channel decay
+    NemotronHMamba2Mixer, BambaMixer,                      conv1d halo + Mamba2 SSD (decay per token and head)
+    GraniteMoeHybridMambaLayer, Zamba2MambaMixer
+
+A family is one entry: ``register_recurrent_layer(cls, forward)``. Built-in entries are resolved only
+when their transformers module is already imported (no model module is imported to look one up).
+Softmax layers of the same models go through the ``"ds_seqpar"`` attention implementation. Any other
+recurrent layer kind (``UNSUPPORTED_RECURRENT`` name endings) is refused by name.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Callable
+
+import torch
+
+from ds_seqpar.integrations import recurrent_adapters as adapters
+from ds_seqpar.integrations.hf_model import UnsupportedModelError
+
+# transformers module, class name -> adapter forward (resolved lazily into REGISTRY)
+BUILTIN_ADAPTERS: dict[tuple[str, str], Callable] = {
+    ("transformers.models.minimax.modeling_minimax", "MiniMaxLightningAttention"): adapters.lightning_forward,
+    (
+        "transformers.models.qwen3_next.modeling_qwen3_next",
+        "Qwen3NextGatedDeltaNet",
+    ): adapters.qwen3_next_gdn_forward,
+    ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet"): adapters.qwen3_5_gdn_forward,
+    (
+        "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+        "Qwen3_5MoeGatedDeltaNet",
+    ): adapters.qwen3_5_gdn_forward,
+    (
+        "transformers.models.kimi_linear.modeling_kimi_linear",
+        "KimiLinearDeltaAttention",
+    ): adapters.kda_forward,
+    ("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer"): adapters.mamba2_forward,
+    ("transformers.models.bamba.modeling_bamba", "BambaMixer"): adapters.mamba2_forward,
+    ("transformers.models.granitemoehybrid.modeling_granitemoehybrid", "GraniteMoeHybridMambaLayer"): (
+        adapters.mamba2_forward
+    ),
+    ("transformers.models.zamba2.modeling_zamba2", "Zamba2MambaMixer"): adapters.mamba2_forward,
+}
+REGISTRY: dict[type, Callable] = {}
+UNSUPPORTED_RECURRENT = (
+    "GatedDeltaNet",
+    "DeltaAttention",
+    "DeltaNet",
+    "Mamba",
+    "Mixer",
+    "ShortConv",
+    "Rglru",
+    "RwkvLinearAttention",
+    "LightningAttention",
+)
+
+
+def register_recurrent_layer(cls: type, forward: Callable) -> None:
+    """Route every instance of ``cls`` through ``forward(self, hidden_states, ...)`` under ds_seqpar."""
+    if not isinstance(cls, type) or not issubclass(cls, torch.nn.Module):
+        raise TypeError(f"register_recurrent_layer takes an nn.Module subclass, got {cls!r}")
+    REGISTRY[cls] = forward
+
+
+def _resolve_builtins() -> None:
+    for (module_name, class_name), forward in BUILTIN_ADAPTERS.items():
+        module = sys.modules.get(module_name)
+        cls = getattr(module, class_name, None) if module is not None else None
+        if cls is not None and cls not in REGISTRY:
+            REGISTRY[cls] = forward
+
+
+def adapter_for(module: torch.nn.Module) -> Callable | None:
+    """The registered forward for ``module``'s class (or a base class), else None."""
+    _resolve_builtins()
+    for cls in type(module).__mro__:
+        if cls in REGISTRY:
+            return REGISTRY[cls]
+    return None
+
+
+def supported_layers() -> str:
+    return ", ".join(name for _, name in BUILTIN_ADAPTERS)
+
+
+def refuse_recurrent_layers(model: torch.nn.Module) -> None:
+    """Raise ``UnsupportedModelError`` naming the first recurrent layer kind ds_seqpar cannot split."""
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if adapter_for(module) is None and any(cls.endswith(bad) for bad in UNSUPPORTED_RECURRENT):
+            raise UnsupportedModelError(
+                f"{type(model).__name__}.{name} is a {cls}: a recurrent layer ds_seqpar cannot split over the "
+                f"sequence (supported: {supported_layers()}; a new family is one "
+                "ds_seqpar.register_recurrent_layer(cls, forward))"
+            )
+
+
+def route_recurrent_layers(model: torch.nn.Module) -> int:
+    """Give every registered recurrent layer of ``model`` its sequence-parallel forward.
+
+    Returns the number of routed layers. Raises ``UnsupportedModelError`` naming the module when the
+    model has a recurrent layer kind ds_seqpar cannot split.
+    """
+    refuse_recurrent_layers(model)
+    routed = 0
+    for module in model.modules():
+        forward = adapter_for(module)
+        if forward is not None:
+            module.forward = types.MethodType(forward, module)
+            routed += 1
+    return routed
+
+
+def has_recurrent_layers(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has recurrent layers that ``route_recurrent_layers`` routes."""
+    return any(adapter_for(m) is not None for m in model.modules())
+
+
+def unroute_recurrent_layers(model: torch.nn.Module) -> None:
+    """Restore the original forward of every routed layer."""
+    for module in model.modules():
+        if adapter_for(module) is not None and "forward" in module.__dict__:
+            del module.forward

@@ -1,0 +1,162 @@
+"""The ``cuda_sdpa`` block kernel: PyTorch's fused CUDA attention ops, forward and backward.
+
+Works on any CUDA machine with no extra package. Per block (the contract: ``attention/contract.py``):
+
+    FULL / square CAUSAL, fp16 / bf16, D % 8 == 0, D <= 256   aten._scaled_dot_product_flash_attention(+_backward)
+    PARTIAL (explicit mask), rectangular causal, fp32,          aten._scaled_dot_product_efficient_attention
+    other head dims                                             (+_backward)
+                                                        with the mask as an additive bias
+
+Both backward ops take the output and log-sum-exp as inputs, so the engine passes the FINAL (merged
+over all key blocks) out and lse of the rows, exactly as for the other kernels. Layout: the ops want
+``[B, H, S, D]`` with as many K/V heads as query heads, so K/V heads are repeated for GQA and their
+gradients summed over each group. The efficient op pads its lse to a multiple of 32 rows and wants
+the bias's last dim aligned to 16 elements; both are handled here. Rows that the mask hides entirely
+get out 0 and lse -inf (no host sync). No softcap (the kernel registry skips it then).
+
+Every call is exercised on ``device="meta"`` tensors in CPU tests (the ops have meta kernels) and
+against CPU stand-ins of the two op pairs; ``benchmarks/gpu_check.py`` checks the arithmetic on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds_seqpar.ops.attention.contract import AttentionKernel
+
+NEG_INF = float("-inf")
+LSE_ROWS = 32  # the efficient op's log-sum-exp is padded to a multiple of this many rows
+BIAS_ALIGN = 16  # the efficient op wants the bias's last dim aligned to this many elements
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the kernel cannot run for ``(device, dtype)``, or None."""
+    if device.type != "cuda":
+        return f"needs CUDA tensors (got device {device.type!r})"
+    if dtype not in DTYPES:
+        return f"needs float16, bfloat16 or float32 inputs (got {dtype})"
+    return None
+
+
+def refuse_softcap(kernel: str, softcap: float | None) -> None:
+    """Kernels without soft-capping take the argument of the kernel interface but must never drop it."""
+    if softcap is not None:
+        raise ValueError(f"kernel={kernel!r} cannot apply softcap={softcap}; use kernel='auto' or 'torch'")
+
+
+def use_flash(
+    q: torch.Tensor, mask: torch.Tensor | None, causal: bool = False, sk: int | None = None
+) -> bool:
+    """Whether a block runs on the flash op (else the efficient op). A rectangular causal block goes to
+    the efficient op: the flash op aligns causality bottom-right, the engine top-left."""
+    d = q.shape[-1]
+    square = not causal or sk is None or sk == q.shape[1]
+    return mask is None and square and q.dtype in FLASH_DTYPES and d % 8 == 0 and d <= 256
+
+
+def _heads_first(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``[B, S, H_kv, D]`` -> ``[B, H_kv·group, S, D]`` (each K/V head repeated for its query heads)."""
+    x = x.transpose(1, 2)
+    return x.repeat_interleave(group, dim=1) if group > 1 else x
+
+
+def _bias(mask: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bool ``[B|1, Sq, Sk]`` (True = visible) -> additive ``[B, H, Sq, Sk]`` view of a buffer whose last
+    dim is padded to ``BIAS_ALIGN`` (0 visible, -inf hidden)."""
+    b, sq, sk = mask.shape
+    padded = -(-sk // BIAS_ALIGN) * BIAS_ALIGN
+    buf = torch.zeros(b, 1, sq, padded, dtype=dtype, device=mask.device)
+    view = buf[..., :sk]
+    view.masked_fill_(~mask.unsqueeze(1), NEG_INF)
+    return view.expand(b, heads, sq, sk)
+
+
+def _padded_lse(lse: torch.Tensor) -> torch.Tensor:
+    """``[B, H, Sq]`` -> ``[B, H, ceil(Sq / 32) * 32]`` (the efficient op's layout)."""
+    sq = lse.shape[-1]
+    pad = -(-sq // LSE_ROWS) * LSE_ROWS - sq
+    return torch.nn.functional.pad(lse, (0, pad)) if pad else lse
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+    causal: bool,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [B, Sq, H, D]``, ``k, v [B, Sk, H_kv, D]`` -> ``out [B, Sq, H, D]`` (q.dtype), ``lse [B, H, Sq]`` fp32."""
+    refuse_softcap("cuda_sdpa", softcap)
+    aten = torch.ops.aten
+    group = q.shape[2] // k.shape[2]
+    q_t, k_t, v_t = q.transpose(1, 2), _heads_first(k, group), _heads_first(v, group)
+    sq = q.shape[1]
+    if use_flash(q, mask, causal, k.shape[1]):
+        res = aten._scaled_dot_product_flash_attention(q_t, k_t, v_t, 0.0, causal, False, scale=scale)
+        out, lse = res[0], res[1]
+    else:
+        bias = None if mask is None else _bias(mask, q.shape[2], q.dtype)
+        res = aten._scaled_dot_product_efficient_attention(
+            q_t, k_t, v_t, bias, True, 0.0, causal, scale=scale
+        )
+        out, lse = res[0], res[1][..., :sq]
+    out = out.transpose(1, 2)
+    if mask is not None:  # rows that see no key: out 0, lse -inf (whatever the op made of them)
+        empty = ~mask.any(dim=-1)  # [B|1, Sq]
+        out = out.masked_fill(empty[:, :, None, None], 0.0)
+        lse = lse.masked_fill(empty.unsqueeze(1), NEG_INF)
+    return out, lse.float()
+
+
+def backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+    causal: bool,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients given the FINAL ``out [B, Sq, H, D]`` / ``lse [B, H, Sq]`` (finite) of the rows."""
+    refuse_softcap("cuda_sdpa", softcap)
+    aten = torch.ops.aten
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    group = h // hkv
+    q_t, k_t, v_t = q.transpose(1, 2), _heads_first(k, group), _heads_first(v, group)
+    do_t, o_t = (x.to(q.dtype).transpose(1, 2) for x in (dout, out))
+    lse = lse.float().contiguous()
+    if use_flash(q, mask, causal, sk):
+        seed = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout 0: the RNG state is unused
+        offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            do_t, q_t, k_t, v_t, o_t, lse, None, None, sq, sk, 0.0, causal, seed, offset, scale=scale
+        )
+    else:
+        bias = None if mask is None else _bias(mask, h, q.dtype)
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        offset = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            do_t, q_t, k_t, v_t, bias, o_t, _padded_lse(lse), seed, offset, 0.0, [True, True, True, False], causal,
+            scale=scale,
+        )  # fmt: skip
+    if group > 1:  # repeated K/V heads: sum each group's gradients
+        dk = dk.reshape(b, hkv, group, sk, d).sum(2)
+        dv = dv.reshape(b, hkv, group, sk, d).sum(2)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+CUDA_SDPA = AttentionKernel(
+    name="cuda_sdpa",
+    forward=forward,
+    backward=backward,
+    unavailable=unavailable,
+    summary="PyTorch's fused CUDA ops",
+)
