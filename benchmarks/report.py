@@ -318,6 +318,12 @@ bash benchmarks/peers/install.sh        # peers into benchmarks/.peers (yunchang
 .venv/bin/python -m benchmarks.run --suite attention --quick   # smoke run, results *_quick.*
 ```
 
+Two commits against each other (clones of both, this checkout's `.venv`):
+`.venv/bin/python -m benchmarks.ab_commits OLD NEW` times the ds_seqpar rows of the attention suite (fp32),
+`benchmarks.bench_schedules` and `benchmarks.bench_usp` on both, alternating the order every round, and writes
+`benchmarks/results/ab_<old>_<new>.md`; `.venv/bin/python -m benchmarks.peer_bytes OUT.json --compare OLD.json`
+checks that every byte each rank sends to each peer, for every ring schedule at P = 8, is unchanged.
+
 ds_seqpar's rows: `auto` is the default (`ulysses_degree: "auto"`, `ulysses_chunks: "auto"`: with R = 1 the
 head exchange is pipelined against the attention in up to 4 head groups, [attention.md](attention.md#pipelined-ulysses));
 `auto, one exchange` is the same with `ulysses_chunks: 1` (shown where `auto` pipelines); `ulysses Px1`,

@@ -14,62 +14,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ds_seqpar import input_layout
 from ds_seqpar.comm import model
-from ds_seqpar.parallel.ring import WorkCounter
-from ds_seqpar.parallel.usp import attention
 from tests.helpers.cases import AttentionCase
-from tests.helpers.meshes import mesh_for
-from tests.helpers.references import TOL, H, assert_within, dense_reference, qkv_inputs
-
-
-def run_schedule_cases(cases: list[AttentionCase]) -> list[dict]:
-    """Run every case on this rank: errors of its shard, work, bytes per peer (forward, backward)."""
-    world = torch.distributed.get_world_size()
-    results = []
-    for case in cases:
-        mesh = mesh_for(case.section(world))
-        layout = input_layout(mesh)
-        docs = case.doc_ids()
-        q, k, v, dout = qkv_inputs(case.seq_len, case.h_kv, case.dtype, case.seed)
-        ref = dense_reference(q, k, v, dout, case.spec, docs)
-        me = mesh.coords.sp_rank
-        ql, kl, vl, dl = (
-            layout.shard(t, me).detach().clone().requires_grad_(t is not dout) for t in (q, k, v, dout)
-        )
-        work = WorkCounter()
-        with mesh.comm_stats.measure() as fwd:
-            out = attention(
-                ql,
-                kl,
-                vl,
-                mesh=mesh,
-                causal=case.causal,
-                window=case.window,
-                doc_ids=docs,
-                work=work,
-            )
-        with mesh.comm_stats.measure() as bwd:
-            out.backward(dl)
-        ref_out, ref_dq, ref_dk, ref_dv = (layout.shard(t, me, dim=1) for t in (ref[0], *ref[2:]))
-        errors = {
-            "out": (out.double() - ref_out).abs().max().item(),
-            "dq": (ql.grad.double() - ref_dq).abs().max().item(),
-            "dk": (kl.grad.double() - ref_dk).abs().max().item(),
-            "dv": (vl.grad.double() - ref_dv).abs().max().item(),
-            "nan": any(bool(torch.isnan(t).any()) for t in (out, ql.grad, kl.grad, vl.grad)),
-        }
-        results.append(
-            {
-                "errors": errors,
-                "work": work.forward_pairs,
-                "fwd_peers": dict(fwd.peers),
-                "bwd_peers": dict(bwd.peers),
-                "fwd_links": fwd.link_bytes(),
-                "bwd_links": bwd.link_bytes(),
-            }
-        )
-    return results
+from tests.helpers.references import TOL, H, assert_within
+from tests.helpers.schedule_cases import byte_cases, run_schedule_cases
 
 
 def _check(case: AttentionCase, per_rank: list[dict]) -> None:
@@ -214,32 +162,12 @@ def _model_peers(case: AttentionCase, world: int, rank: int, backward: bool) -> 
     return {(k, peer): n for peer, kinds in peers.items() for k, n in kinds.items()}
 
 
-def _byte_cases() -> list[AttentionCase]:
-    base = AttentionCase(dtype=torch.float32, seq_len=2 * 8 * 7 * 2, h_kv=2)
-    cases = [
-        replace(base, schedule="p2p"),
-        replace(base, schedule="p2p", inner=4),
-        replace(base, schedule="all_gather"),
-        replace(base, schedule="tasp"),
-        replace(base, schedule="tasp", inner=2, h_kv=1),
-        replace(base, schedule="startrail", team_size=2, startrail_backward="kv", ranks_per_node=2),
-        replace(
-            base, schedule="startrail", team_size=2, startrail_backward="query", h_kv=H, ranks_per_node=2
-        ),
-        replace(base, schedule="startrail", team_size=2, startrail_backward="auto", h_kv=1),
-        replace(base, schedule="startrail", team_size=1),
-        replace(base, schedule="attention2d", grid=(2, 4), ranks_per_node=4),
-        replace(base, schedule="attention2d", grid=(4, 2), h_kv=1, layout="contiguous"),
-    ]
-    return [replace(c, seed=70 + i) for i, c in enumerate(cases)]
-
-
 def test_counted_bytes_equal_the_model_per_peer(dist_pool):
     """Every byte each rank sends, per collective kind and per peer, equals comm/model.py exactly (forward
     and backward), nothing is unattributed, and link classes follow ranks_per_node; TASP's busiest link
     carries the ring's / (d - 1), StarTrail sends the ring's inter-node bytes / C plus the skew hop."""
     world = 8
-    cases = _byte_cases()
+    cases = byte_cases()
     per_case = _run(dist_pool(world), cases)
     for case, per_rank in zip(cases, per_case):
         for rank, got in enumerate(per_rank):
