@@ -24,7 +24,7 @@ from ds_seqpar.parallel.ring import OutputDelta, RingPlan, WorkCounter, build_sc
 from ds_seqpar.parallel.ring.plan import step_tasks, tokens
 from ds_seqpar.parallel.ring.tasks import BlockTask, backward_tiles, window_tile
 from tests.helpers.cases import AttentionCase
-from tests.helpers.references import TOL, B, D, H, assert_within, dense_reference, qkv_inputs
+from tests.helpers.references import TOL, B, D, H, assert_within, dense_reference, grad_errors, qkv_inputs
 
 
 def run_ring_cases(cases: list[AttentionCase]) -> list[dict]:
@@ -69,15 +69,9 @@ def run_ring_cases(cases: list[AttentionCase]) -> list[dict]:
             layout.shard(t, me, dim=1 if t.dim() == 4 else 2) for t in ref
         )
         finite = torch.isfinite(ref_lse)
-        errors = {
-            "out": (out.double() - ref_out).abs().max().item(),
-            "lse": (lse.double()[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0,
-            "lse_inf_match": bool((torch.isinf(lse) == ~finite).all()),
-            "dq": (ql.grad.double() - ref_dq).abs().max().item(),
-            "dk": (kl.grad.double() - ref_dk).abs().max().item(),
-            "dv": (vl.grad.double() - ref_dv).abs().max().item(),
-            "nan": any(bool(torch.isnan(t).any()) for t in (out, ql.grad, kl.grad, vl.grad)),
-        }
+        errors = grad_errors(out, (ql, kl, vl), (ref_out, ref_dq, ref_dk, ref_dv))
+        errors["lse"] = (lse.double()[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
+        errors["lse_inf_match"] = bool((torch.isinf(lse) == ~finite).all())
         results.append(
             {
                 "errors": errors,

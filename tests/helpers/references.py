@@ -39,6 +39,20 @@ def dense_reference(
     return out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
 
 
+def grad_errors(
+    out: torch.Tensor, leaves: tuple[torch.Tensor, ...], refs: tuple[torch.Tensor, ...]
+) -> dict[str, float | bool]:
+    """Max abs errors of a rank's ``out`` and of the grads of its ``leaves`` (q, k, v) against the
+    reference shards ``refs`` (out, dq, dk, dv), and whether any of them holds a NaN."""
+    got = (out, *(t.grad for t in leaves))
+    errors: dict[str, float | bool] = {
+        name: (g.double() - r).abs().max().item()
+        for name, g, r in zip(("out", "dq", "dk", "dv"), got, refs, strict=True)
+    }
+    errors["nan"] = any(bool(torch.isnan(t).any()) for t in got)
+    return errors
+
+
 def assert_within(errors: dict[str, float], tol: float, where: object) -> None:
     """Every error of ``errors`` (which must name at least one) is at most ``tol``."""
     assert errors, f"{where}: no errors were measured"

@@ -13,7 +13,7 @@ from ds_seqpar.parallel.ring import WorkCounter
 from ds_seqpar.parallel.usp import attention
 from tests.helpers.cases import AttentionCase
 from tests.helpers.meshes import mesh_for
-from tests.helpers.references import H, dense_reference, qkv_inputs
+from tests.helpers.references import H, dense_reference, grad_errors, qkv_inputs
 
 
 def run_schedule_cases(cases: list[AttentionCase]) -> list[dict]:
@@ -44,14 +44,8 @@ def run_schedule_cases(cases: list[AttentionCase]) -> list[dict]:
             )
         with mesh.comm_stats.measure() as bwd:
             out.backward(dl)
-        ref_out, ref_dq, ref_dk, ref_dv = (layout.shard(t, me, dim=1) for t in (ref[0], *ref[2:]))
-        errors = {
-            "out": (out.double() - ref_out).abs().max().item(),
-            "dq": (ql.grad.double() - ref_dq).abs().max().item(),
-            "dk": (kl.grad.double() - ref_dk).abs().max().item(),
-            "dv": (vl.grad.double() - ref_dv).abs().max().item(),
-            "nan": any(bool(torch.isnan(t).any()) for t in (out, ql.grad, kl.grad, vl.grad)),
-        }
+        refs = tuple(layout.shard(t, me, dim=1) for t in (ref[0], *ref[2:]))
+        errors = grad_errors(out, (ql, kl, vl), refs)
         results.append(
             {
                 "errors": errors,
