@@ -13,8 +13,10 @@ Public API (more arrives with the attention, data and engine modules):
   :func:`input_layout`: the token layout the data side shards with; :func:`sparse_stats`: per-layer
   imbalance ratio and density of ``attention: "sparse_ring"``; :func:`linear_attention`: linear
   attention (All-Scan over the ring) for linear and hybrid models; :func:`delta_rule_attention`: the
-  gated delta rule (GDN, KDA) with matrix transitions; :func:`register_recurrent_layer`: route a
-  new recurrent layer family (class -> forward).
+  gated delta rule (GDN, KDA) with matrix transitions; :func:`sharded_causal_conv1d`: the short causal
+  conv1d those layers run first, with its halo from the neighbouring ranks; :func:`register_recurrent_layer`:
+  route a new recurrent layer family (class -> forward).
+* :class:`RankShapeError`: the ranks of an SP group passed inputs of different shapes (each rank's named).
 * :func:`register_schedule` / :func:`register_layout` / :func:`register_kernel` /
   :func:`register_sparse_kernel`: plug a new ring schedule, token layout or block kernel into the
   registries the config, the engine and the byte model read (docs/architecture.md).
@@ -46,8 +48,9 @@ from ds_seqpar.memory import MemoryEstimate, largest_seq_len, memory_estimate
 from ds_seqpar.mesh import DeepSpeedMPU, MeshCoords, MeshPlan, SeqParMesh, plan_mesh
 from ds_seqpar.ops.attention import register_kernel
 from ds_seqpar.ops.sparse import register_sparse_kernel
+from ds_seqpar.parallel.agree import RankShapeError
 from ds_seqpar.parallel.cross import cross_attention
-from ds_seqpar.parallel.delta_scan import delta_rule_attention
+from ds_seqpar.parallel.delta_scan import delta_rule_attention, sharded_causal_conv1d
 from ds_seqpar.parallel.linear_scan import linear_attention
 from ds_seqpar.parallel.sparse_ring import SparseLayerStats, sparse_stats
 from ds_seqpar.parallel.usp import attention
@@ -65,6 +68,7 @@ __all__ = [
     "MemoryEstimate",
     "MeshCoords",
     "MeshPlan",
+    "RankShapeError",
     "SeqParCausalLM",
     "SeqParCollator",
     "SeqParConfigError",
@@ -102,6 +106,7 @@ __all__ = [
     "sequence_parallel_scope",
     "shard_batch",
     "shard_encoder_states",
+    "sharded_causal_conv1d",
     "sp_causal_lm_loss",
     "sparse_stats",
     "with_sequence_parallel",

@@ -172,6 +172,9 @@ CASES: dict[str, tuple[Callable[[], object], str]] = {
     "config_layout_unknown": (lambda: parse_section({"size": 2, "ring": {"layout": "spiral"}}), r"spiral"),
     "config_attention_unknown": (lambda: parse_section({"size": 2, "attention": "flash"}), r"flash"),
     "config_fault_timeout_negative": (lambda: parse_section({"size": 2, "fault_timeout_s": -1}), r"fault_timeout_s"),
+    "config_fault_timeout_zero": (lambda: parse_section({"size": 2, "fault_timeout_s": 0}), r"fault_timeout_s=0 must be > 0 seconds.*e\.g\. 1800"),
+    "config_deepspeed_key_misspelt": (lambda: load_config({"zero_optimisation": {"stage": 3}, "sequence_parallel": {"size": 2}}), r"'zero_optimisation' is not a DeepSpeed .*did you mean 'zero_optimization'\?"),
+    "config_zero_key_misspelt": (lambda: load_config({"zero_optimization": {"stgae": 3}, "sequence_parallel": {"size": 2}}), r"'zero_optimization\.stgae' .*did you mean 'stage'\?"),
     "config_section_not_a_dict": (lambda: parse_section([2]), r"must be an object"),
     "config_file_missing": (lambda: load_config("/nonexistent/ds.json"), r"/nonexistent/ds.json"),
     "world_not_multiple_of_size": (lambda: SeqParMesh.from_config(parse_section({"size": 4})), r"(world|size).*(4|2)"),
@@ -203,3 +206,103 @@ def test_bad_input_is_refused_before_any_collective(dist_pool, name: str) -> Non
     for rank, (kind, message) in enumerate(dist_pool(2).run(run_bad_case, name)):
         assert kind not in ("CollectiveStarted", "no error"), f"{name}, rank {rank}: {kind}: {message}"
         assert re.search(pattern, message, re.S), f"{name}, rank {rank}: {kind}: {message!r} !~ {pattern!r}"
+
+
+# ------------------------------------------------------------------ ranks whose inputs disagree
+# The one collective allowed: the SP group's all-gather of every rank's shapes (parallel/agree.py).
+
+
+@contextmanager
+def _counted_collectives():
+    """Count the torch.distributed calls by name (they still run; isend / irecv stay unwrapped: P2POp
+    checks their identity, and batch_isend_irecv counts the batched P2P)."""
+    names = [n for n in COMM if n not in ("isend", "irecv")]
+    saved, calls = {name: getattr(dist, name) for name in names}, []
+
+    def counted(name: str) -> Callable:
+        def call(*args, **kwargs):
+            calls.append(name)
+            return saved[name](*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(dist, name, counted(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def _uneven_attention(rank: int):
+    return ds_seqpar.attention(*_qkv(n=8 * (1 + rank)), mesh=_mesh())
+
+
+def _uneven_kv_heads(rank: int):
+    return ds_seqpar.attention(*_qkv(h_kv=2 * (1 + rank)), mesh=_mesh(u=1))
+
+
+def _uneven_linear(rank: int):
+    return _linear() if rank == 0 else linear_attention(*_qkv(n=16), mesh=_mesh(u=1, layout="contiguous"))
+
+
+def _uneven_delta(rank: int):
+    q, k, v = _qkv(n=8 + 8 * rank)
+    beta = torch.rand(q.shape[:3])
+    return ds_seqpar.delta_rule_attention(q, k, v, beta, mesh=_mesh(u=1, layout="contiguous"))
+
+
+def _uneven_conv(rank: int):
+    x = torch.randn(1, 8 + 4 * rank, 6)
+    return ds_seqpar.sharded_causal_conv1d(x, (torch.randn(6, 4), None), mesh=_mesh(u=1, layout="contiguous"))
+
+
+DISAGREEING = {
+    "attention_local_length": (_uneven_attention, r"ds_seqpar.attention: .*rank 0: q \[1, 8, 4, 8\].*rank 1: q \[1, 16, 4, 8\]"),
+    "attention_kv_heads": (_uneven_kv_heads, r"rank 0: .*k \[1, 8, 2, 8\].*rank 1: .*k \[1, 8, 4, 8\]"),
+    "linear_local_length": (_uneven_linear, r"linear_attention: .*rank 1: q \[1, 16, 4, 8\]"),
+    "delta_local_length": (_uneven_delta, r"delta_rule_attention: .*rank 1: q \[1, 16, 4, 8\]"),
+    "conv_local_length": (_uneven_conv, r"sharded_causal_conv1d: .*rank 0: x \[1, 8, 6\].*rank 1: x \[1, 12, 6\]"),
+}  # fmt: skip
+
+
+def run_disagreeing_case(name: str) -> tuple[str, str, list[str]]:
+    """On a rank: the case with this rank's inputs; (exception type, message, the collectives it called)."""
+    call, _ = DISAGREEING[name]
+    with _counted_collectives() as calls:
+        try:
+            call(dist.get_rank())
+        except Exception as exc:
+            return type(exc).__name__, str(exc), calls
+    return "no error", "", calls
+
+
+@pytest.mark.parametrize("name", sorted(DISAGREEING))
+def test_ranks_with_different_shapes_are_named_on_every_rank(dist_pool, name: str) -> None:
+    """Each rank's own input is valid, but they differ: every rank raises RankShapeError naming each rank's
+    shapes after the one shape all-gather (no abort inside gloo, no hang)."""
+    _, pattern = DISAGREEING[name]
+    for rank, (kind, message, calls) in enumerate(dist_pool(2).run(run_disagreeing_case, name, timeout=60)):
+        assert kind == "RankShapeError", f"{name}, rank {rank}: {kind}: {message}"
+        assert re.search(pattern, message, re.S), f"{name}, rank {rank}: {message!r} !~ {pattern!r}"
+        assert "every SP rank must pass the same" in message
+        assert calls == ["all_gather"], calls
+
+
+def run_twice_on_one_mesh() -> list[list[str]]:
+    """Two calls with equal shapes on one mesh: the collectives of each."""
+    mesh = _mesh(u=1)
+    out = []
+    for _ in range(2):
+        with _counted_collectives() as calls:
+            ds_seqpar.attention(*_qkv(), mesh=mesh)
+        out.append(list(calls))
+    return out
+
+
+def test_the_shape_check_runs_once_per_shape(dist_pool) -> None:
+    """The agreement is one all-gather on the first call with a shape; the next call runs none."""
+    for first, second in dist_pool(2).run(run_twice_on_one_mesh, timeout=60):
+        assert first.count("all_gather") == 1 and first[0] == "all_gather", first
+        assert "all_gather" not in second and second, second

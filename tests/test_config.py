@@ -292,12 +292,14 @@ def test_data_parallel_size_must_match_the_world():
         (
             {"schedule": "tasp"},
             4,
-            r"domain of 4 ranks .* no Hamiltonian decomposition; valid: ring.inner_size in 2 \(nearest",
+            r"domain of 4 ranks .* no Hamiltonian decomposition; valid: ring.inner_size in 2 \(the sizes that "
+            r"divide R=4 and have one; nearest to 4: 2\)",
         ),
         (
             {"schedule": "tasp", "inner_size": 6},
             12,
-            r"domain of 6 ranks.*valid: ring.inner_size in 2, 3, 12 \(nearest sizes with one: 5, 7\)",
+            r"domain of 6 ranks.*valid: ring.inner_size in 2, 3, 12 \(the sizes that divide R=12 and have one; "
+            r"nearest to 6: 3\)",
         ),
         (
             {"schedule": "startrail"},
@@ -370,3 +372,142 @@ def test_config_choices_are_the_registries_names():
     ]
     for name in (*LAYOUTS, *SCHEDULES, *KERNELS, *SPARSE_KERNELS):
         assert name in (REPO / "docs" / "configuration.md").read_text(), name
+
+
+def test_tasp_suggests_only_inner_sizes_that_divide_the_ring():
+    """R = 8, inner_size = 4 (no Hamiltonian decomposition): every suggested size divides R and has one."""
+    import re
+
+    from ds_seqpar.comm.hamiltonian import has_decomposition
+
+    with pytest.raises(SeqParConfigError) as info:
+        parse_section({"size": 8, "ulysses_degree": 1, "ring": {"schedule": "tasp", "inner_size": 4}}, 8)
+    message = str(info.value)
+    listed = re.search(r"valid: ring\.inner_size in ([\d, ]+) \(", message).group(1)
+    nearest = re.search(r"nearest to 4: ([\d or]+)\)", message).group(1)
+    suggested = [int(x) for x in re.findall(r"\d+", listed + " " + nearest)]
+    assert sorted(set(suggested)) == [2, 8], message
+    assert all(8 % d == 0 and has_decomposition(d) for d in suggested), message
+
+
+@pytest.mark.parametrize("value", [0, -1, 0.0])
+def test_fault_timeout_must_be_positive_seconds(value):
+    with pytest.raises(SeqParConfigError) as info:
+        parse_section({"size": 2, "fault_timeout_s": value})
+    message = str(info.value)
+    assert f"sequence_parallel.fault_timeout_s={value:g} must be > 0 seconds" in message
+    assert "e.g. 1800" in message and ">= 0" not in message
+    assert parse_section({"size": 2, "fault_timeout_s": 60}).fault_timeout_s == 60.0
+
+
+# --- DeepSpeed's own keys, next to the section (config/deepspeed_keys.py) -------------------------------
+
+SECTION_4 = {"size": 4, "ulysses_degree": 2}
+
+
+def test_deepspeed_key_set_comes_from_deepspeed():
+    from ds_seqpar.config.deepspeed_keys import (
+        EXTRA_TOP_LEVEL_KEYS,
+        deepspeed_top_level_keys,
+        model_keys,
+        zero_config_model,
+    )
+
+    top = deepspeed_top_level_keys()
+    assert top is not None, "DeepSpeed's _initialize_params could not be probed"
+    for key in ("zero_optimization", "bf16", "fp16", "optimizer", "scheduler", "train_micro_batch_size_per_gpu",
+                "gradient_clipping", "activation_checkpointing", "autotuning", "wandb", "checkpoint"):  # fmt: skip
+        assert key in top, key
+    assert set(EXTRA_TOP_LEVEL_KEYS) <= top and "zero_optimisation" not in top
+    zero = model_keys(zero_config_model())
+    assert {"stage", "offload_param", "stage3_prefetch_bucket_size", "prefetch_bucket_size"} <= set(zero)
+
+
+def test_misspelt_deepspeed_key_is_refused_with_the_file_and_the_fix(tmp_path):
+    raw = {"zero_optimisation": {"stage": 3}, "sequence_parallel": SECTION_4}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(raw))
+    pattern = (
+        r"DeepSpeed config '.*ds\.json': 'zero_optimisation' is not a DeepSpeed [\d.]+ config key at the top "
+        r"level, so DeepSpeed would ignore it .*did you mean 'zero_optimization'\?"
+    )
+    with pytest.raises(SeqParConfigError, match=pattern):
+        load_config(path)
+    with pytest.raises(
+        SeqParConfigError, match=r"^the DeepSpeed config dict: 'zero_optimisation' .*'zero_optimization'"
+    ):
+        load_config(raw)
+
+
+@pytest.mark.parametrize(
+    ("zero", "message"),
+    [
+        (
+            {"stage": 3, "stage3_gather_16bit_weights_on_model_sav": True},
+            r"'zero_optimization\.stage3_gather_16bit_weights_on_model_sav' is not a DeepSpeed .* in "
+            r"'zero_optimization'.*did you mean 'stage3_gather_16bit_weights_on_model_save'\?",
+        ),
+        ({"stag": 3}, r"'zero_optimization\.stag' .*did you mean 'stage'\?"),
+        (
+            {"stage": 3, "offload_param": {"devise": "cpu"}},
+            r"'zero_optimization\.offload_param\.devise' .* in 'zero_optimization\.offload_param'.*did you mean 'device'",
+        ),
+        ({"stage": 3, "reduce_bucket_size_x": "auto"}, r"'zero_optimization\.reduce_bucket_size_x'"),
+        (
+            {"stage": 3, "mics_shard_size": 8},
+            r"'zero_optimization\.mics_shard_size': MiCS .* has been removed",
+        ),
+    ],
+)
+def test_unknown_zero_keys_are_refused(zero, message):
+    with pytest.raises(SeqParConfigError, match=message):
+        load_config({"zero_optimization": zero, "sequence_parallel": SECTION_4})
+
+
+def test_removed_deepspeed_keys_get_deepspeeds_message():
+    with pytest.raises(SeqParConfigError, match=r"'amp': NVIDIA Apex AMP integration has been removed"):
+        load_config({"amp": {"enabled": True}, "sequence_parallel": SECTION_4})
+
+
+def test_hf_auto_values_and_deepspeed_aliases_still_load():
+    """An HF Trainer / accelerate style config: "auto" values and ZeRO's stage3_* aliases are accepted."""
+    raw = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}},
+        "fp16": {"enabled": "auto"},
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "none", "nvme_path": None},
+            "offload_param": {"device": "none", "nvme_path": None},
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+            "stage3_gather_16bit_weights_on_model_save": "auto",
+            "sub_group_size": 1e9,
+        },
+        "steps_per_print": float("inf"),
+        "zero_allow_untested_optimizer": True,
+        "communication_data_type": "fp32",
+        "wall_clock_breakdown": False,
+        "sequence_parallel": SECTION_4,
+    }
+    section, ds = load_config(raw)
+    assert section.size == 4 and ds["zero_optimization"]["reduce_bucket_size"] == "auto"
+
+
+def test_initialize_refuses_a_misspelt_key_before_any_process_group():
+    import torch
+    import torch.distributed as dist
+
+    import ds_seqpar
+
+    config = {"zero_optimisation": {"stage": 3}, "sequence_parallel": {"size": 1}}
+    started = dist.is_initialized()
+    with pytest.raises(SeqParConfigError, match=r"did you mean 'zero_optimization'"):
+        ds_seqpar.initialize(model=torch.nn.Linear(2, 2), config=config)
+    assert dist.is_initialized() == started  # refused before init_distributed and the mesh

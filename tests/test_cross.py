@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import re
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -10,7 +12,14 @@ import torch
 from ds_seqpar import SeqParMesh
 from ds_seqpar.comm.all_to_all import HeadPlan
 from ds_seqpar.ops.attention.reference import dense_attention_reference
-from ds_seqpar.parallel.cross import choose_cross_schedule, cross_attention, cross_bytes, cross_ulysses_bytes
+from ds_seqpar.parallel.agree import RankShapeError
+from ds_seqpar.parallel.cross import (
+    choose_cross_schedule,
+    cross_attention,
+    cross_bytes,
+    cross_plan,
+    cross_ulysses_bytes,
+)
 from tests.helpers.cases import CrossCase
 from tests.helpers.references import assert_within
 
@@ -138,3 +147,122 @@ def test_the_mesh_kernel_is_honoured():
     x = torch.zeros(1, 2, 2, 4)
     with pytest.raises(ValueError, match="cuda_sdpa"):
         cross_attention(x, x, x, mesh=mesh)
+
+
+# --- shards that differ between ranks (parallel/agree.py, docs/cross_attention.md "Shapes across ranks") ---
+
+
+@dataclass(frozen=True)
+class UnevenCase:
+    """Per-rank token counts of the queries and keys (their sums are S_q and S_kv), the schedule, which ranks
+    pass a key mask (padding at the end of row 0), and the Ulysses degree of the mesh."""
+
+    q_split: tuple[int, ...]
+    kv_split: tuple[int, ...]
+    schedule: str = "auto"
+    masked_ranks: tuple[int, ...] = ()
+    u: int = 1
+
+
+def run_uneven_cases(cases: list[UnevenCase]) -> list[dict]:
+    """Each case on the pool's ranks: the agreed plan, the p2p bytes and the errors vs the dense fp64 reference."""
+    world = torch.distributed.get_world_size()
+    results, meshes = [], {}
+    for i, case in enumerate(cases):
+        mesh = meshes.setdefault(case.u, SeqParMesh.build(world, case.u))
+        me = mesh.coords.sp_rank
+        g = torch.Generator().manual_seed(100 + i)
+        s_q, s_kv = sum(case.q_split), sum(case.kv_split)
+        q = torch.randn(B, s_q, H, D, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(B, s_kv, 2, D, generator=g, dtype=torch.float64) for _ in range(2))
+        dout = torch.randn(B, s_q, H, D, generator=g, dtype=torch.float64)
+        mask = torch.ones(B, s_kv, dtype=torch.bool)
+        start = sum(case.kv_split[:me])
+        for r in case.masked_ranks:  # the last key of rank r's shard, row 0, is padding
+            end = sum(case.kv_split[: r + 1])
+            if case.kv_split[r]:
+                mask[0, end - 1] = False
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref, _ = dense_attention_reference(*leaves, mask[:, None, :].expand(B, s_q, s_kv))
+        ref.backward(dout)
+        local = [
+            t.split(split, 1)[me].clone().requires_grad_()
+            for t, split in zip((q, k, v), (case.q_split, case.kv_split, case.kv_split))
+        ]
+        kv_mask = mask[:, start : start + case.kv_split[me]] if me in case.masked_ranks else None
+        plan = cross_plan(*local, kv_mask, mesh, case.schedule)
+        with mesh.comm_stats.measure() as fwd:
+            out = cross_attention(*local, mesh=mesh, kv_mask=kv_mask, schedule=case.schedule)
+        out.backward(dout.split(case.q_split, 1)[me])
+        want = [ref, *(t.grad for t in leaves)]
+        splits = (case.q_split, case.q_split, case.kv_split, case.kv_split)
+        errors = {
+            n: (a - b.split(split, 1)[me]).abs().max().item() if a.numel() else 0.0
+            for n, a, b, split in zip(
+                ("out", "dq", "dk", "dv"), (out, *(t.grad for t in local)), want, splits
+            )
+        }
+        results.append({"plan": plan, "errors": errors, "fwd": fwd.bytes("p2p"), "shape": tuple(out.shape)})
+    return results
+
+
+UNEVEN = [
+    UnevenCase((2, 2), (5, 4), "rotate_kv"),  # the rotating K/V side uneven (was a gloo abort)
+    UnevenCase((3, 1), (4, 4), "rotate_q"),  # the rotating query side uneven
+    UnevenCase((1, 7), (7, 1)),  # alone, rank 0 would rotate q and rank 1 K/V: agreed, both rotate K/V
+    UnevenCase((4, 4), (6, 0), "rotate_kv"),  # a rank without keys
+    UnevenCase((4, 4), (3, 3), "rotate_q", masked_ranks=(0,)),  # a key mask on one rank only
+    UnevenCase((3, 2), (2, 5), "rotate_kv", masked_ranks=(0, 1)),
+    UnevenCase((3, 1), (5, 2), u=2),  # Ulysses: every shard padded before the all-to-all
+]
+
+
+def test_uneven_shards_are_padded_exactly_and_ranks_agree_on_the_schedule(dist_pool):
+    per_case = zip(UNEVEN, zip(*dist_pool(2).run(run_uneven_cases, UNEVEN, timeout=120)))
+    for case, (r0, r1) in per_case:
+        assert r0["plan"] == r1["plan"], case  # one plan: padded sizes, mask and schedule
+        plan = r0["plan"]
+        assert (plan.q_tokens, plan.kv_tokens) == (max(case.q_split), max(case.kv_split))
+        if case.u == 1:
+            expected = case.schedule if case.schedule != "auto" else "rotate_kv"
+            assert plan.schedule == expected, case
+        for rank, res in enumerate((r0, r1)):
+            assert_within(res["errors"], 1e-10, (case, rank))
+            assert res["shape"] == (B, case.q_split[rank], H, D)
+            if case.u == 1:  # the byte formula with the padded sizes (every rank sends the same)
+                args = (plan.schedule, B, plan.q_tokens, plan.kv_tokens, H, 2, D, 8, 2, plan.kv_mask)
+                assert res["fwd"] == cross_bytes(*args), (case, res)
+
+
+def run_disagreeing_ranks(kind: str) -> tuple[str, str]:
+    """Rank 1 differs from rank 0 in ``kind``; returns the error this rank raised (type name, message)."""
+    mesh = SeqParMesh.build(2, 1)
+    odd = mesh.coords.sp_rank == 1
+    h_kv = 4 if odd and kind == "h_kv" else 2
+    dtype = torch.float32 if odd and kind == "dtype" else torch.float64
+    schedule = "rotate_q" if odd and kind == "schedule" else "rotate_kv"
+    q = torch.randn(B, 3, H, D, dtype=dtype)
+    k = v = torch.randn(B, 4 + mesh.coords.sp_rank, h_kv, D, dtype=dtype)
+    try:
+        cross_attention(q, k, v, mesh=mesh, schedule=schedule)
+    except RankShapeError as exc:
+        return type(exc).__name__, str(exc)
+    return "no error", ""
+
+
+@pytest.mark.parametrize(
+    ("kind", "names"),
+    [
+        ("h_kv", r"rank 0: q \[2, 3, 4, 8\] float64, k \[2, 4, 2, 8\] .*rank 1: .*k \[2, 5, 4, 8\]"),
+        ("dtype", r"rank 0: q \[2, 3, 4, 8\] float64.*rank 1: q \[2, 3, 4, 8\] float32"),
+        ("schedule", r"schedule=rotate_kv; rank 1: .* schedule=rotate_q"),
+    ],
+    ids=["h_kv", "dtype", "schedule"],
+)
+def test_ranks_that_disagree_raise_by_name_on_every_rank(dist_pool, kind, names):
+    """B, H, H_kv, D, dtype and schedule must agree: every rank raises RankShapeError (a SeqParConfigError)
+    naming each rank's shapes and the fix, instead of aborting inside gloo."""
+    for name, message in dist_pool(2).run(run_disagreeing_ranks, kind, timeout=60):
+        assert name == "RankShapeError", message
+        assert re.search(names, message), message
+        assert "only the token counts n_q and n_kv may differ" in message

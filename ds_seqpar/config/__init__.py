@@ -18,8 +18,9 @@ Mesh vocabulary: ``size`` = P (SP degree), ``ulysses_degree`` = U, ring degree R
 Two validation stages:
 
 * ``load_config(path_or_dict)`` checks everything the section alone can check (types, choices,
-  divisibility, unknown keys) and returns the section plus the DeepSpeed dict with DeepSpeed's own
-  ``sequence_parallel_size`` set.
+  divisibility, unknown keys), checks the file's other keys against DeepSpeed's own (top level and
+  ``zero_optimization``, ``deepspeed_keys.py``: a misspelt DeepSpeed key is an error with the closest valid
+  key), and returns the section plus the DeepSpeed dict with DeepSpeed's own ``sequence_parallel_size`` set.
 * ``section.validate(model_config, world_size)`` (``settings.resolve_settings``) checks what needs the
   model or the world (heads vs U, world vs size) and resolves every ``"auto"`` into the frozen
   ``SeqParSettings`` a mesh holds; nothing reads the section afterwards.
@@ -32,6 +33,7 @@ Every error is a ``SeqParConfigError`` whose message names the key, the bad valu
 alternative, e.g. ``sequence_parallel.ulysses_degree=3 does not divide size=8; valid: 1, 2, 4, 8``.
 """
 
+from ds_seqpar.config.deepspeed_keys import check_deepspeed_keys, deepspeed_top_level_keys
 from ds_seqpar.config.load import current_world_size, load_config, parse_section, with_overrides
 from ds_seqpar.config.messages import config_field_paths
 from ds_seqpar.config.section import (
@@ -55,8 +57,10 @@ __all__ = [
     "SequenceParallelConfig",
     "SparseConfig",
     "auto_ulysses_degree",
+    "check_deepspeed_keys",
     "config_field_paths",
     "current_world_size",
+    "deepspeed_top_level_keys",
     "divisors",
     "head_counts",
     "load_config",

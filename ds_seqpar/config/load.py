@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ds_seqpar.config.deepspeed_keys import check_deepspeed_keys
 from ds_seqpar.config.messages import format_error
 from ds_seqpar.config.section import SECTION, SequenceParallelConfig
 from ds_seqpar.errors import SeqParConfigError
@@ -78,13 +79,19 @@ def load_config(
 
     ``world_size`` resolves ``size: "auto"`` (default: :func:`current_world_size`).
 
+    Every other top-level key must be one DeepSpeed reads, and every key of ``zero_optimization`` a field
+    of DeepSpeed's ZeRO config (``config/deepspeed_keys.py``): a typo is an error naming the file, the
+    key and the closest valid key, before any process group exists.
+
     Returns:
         ``(section, ds_config)``: the validated section, and a copy of the DeepSpeed dict without the
         section and with DeepSpeed's own ``sequence_parallel_size`` set to ``section.size`` (1 when
         sequence parallelism is disabled).
     """
+    source = "the DeepSpeed config dict"
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
+        source = f"DeepSpeed config '{path}'"
         if not os.path.isfile(path):
             raise SeqParConfigError(
                 f"DeepSpeed config file '{path}' does not exist; valid: a path to a JSON file such as "
@@ -110,6 +117,7 @@ def load_config(
             f"the DeepSpeed config has no '{SECTION}' section; valid: add "
             f'"{SECTION}": {{"size": <ranks per sequence>}} (see docs/configuration.md)'
         )
+    check_deepspeed_keys(ds_config, source)
     section = parse_section(ds_config.pop(SECTION), world_size)
     sp_size = section.size if section.enabled else 1
     existing = ds_config.get("sequence_parallel_size")

@@ -91,12 +91,14 @@ def format_error(err: dict[str, Any]) -> str:
         return f"{key}={bad!r} is not valid; valid: a positive integer or {_fmt_choices(choices)}"
     if choices:
         return f"{key}={bad!r} is not valid; valid: {_fmt_choices(choices)}"
-    if kind in {"greater_than_equal", "greater_than"}:
-        return (
-            f"{key}={bad!r} must be >= {err['ctx'].get('ge', err['ctx'].get('gt'))}; valid: e.g. 1, 2, 4, 8"
-        )
+    if kind == "greater_than_equal":
+        return f"{key}={bad!r} must be >= {err['ctx']['ge']}; valid: e.g. 1, 2, 4, 8"
+    if kind == "greater_than":
+        return f"{key}={bad!r} must be > {err['ctx']['gt']}; valid: e.g. 1, 2, 4, 8"
     if kind in {"int_type", "int_parsing", "int_from_float"}:
         return f"{key}={bad!r} must be an integer (JSON number without quotes); valid: e.g. 1, 2, 4, 8"
+    if kind in {"float_type", "float_parsing", "finite_number"}:
+        return f"{key}={bad!r} must be a number (a JSON number without quotes)"
     if kind in {"bool_type", "bool_parsing"}:
         return f"{key}={bad!r} must be a boolean; valid: true, false"
     if kind in {"model_type", "dict_type", "model_attributes_type"}:

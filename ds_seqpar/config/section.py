@@ -9,6 +9,7 @@ name lists the registered ones. What needs the model or the world, and every ``"
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -317,7 +318,7 @@ class SequenceParallelConfig(_Section):
         'which inter-node (CommStats link classes, python -m ds_seqpar.report). "auto" = the launcher\'s '
         "LOCAL_WORLD_SIZE (all ranks when unset); set it to simulate a cluster on one machine.",
     )
-    fault_timeout_s: Annotated[float, Field(gt=0)] = Field(
+    fault_timeout_s: float = Field(
         1800.0,
         description="Seconds a rank waits in a collective for a failed, dead or hung peer before it gives up and "
         "names the rank and step at fault (the process group's timeout; set when ds_seqpar starts torch.distributed).",
@@ -327,6 +328,17 @@ class SequenceParallelConfig(_Section):
     @classmethod
     def _kernel(cls, value: str) -> str:
         return _one_of("kernel", value, [AUTO, *KERNELS])
+
+    @field_validator("fault_timeout_s")
+    @classmethod
+    def _fault_timeout(cls, value: float) -> float:
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(
+                f"{SECTION}.fault_timeout_s={value:g} must be > 0 seconds (how long a rank waits in a collective "
+                "for a failed or hung peer before it names it; 0 is refused); valid: e.g. 1800 (the default, "
+                "30 minutes)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check_degrees(self) -> SequenceParallelConfig:

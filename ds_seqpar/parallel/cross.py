@@ -27,14 +27,23 @@ Bytes one rank sends per layer (kind ``p2p``, :func:`cross_bytes`, tested exactl
     rotate_kv  fwd (R − 1)·B·n_kv·(2·H_kv·D·b + m)                 m = 1 with a key mask, else 0
                bwd (R − 1)·B·n_kv·(2·H_kv·D·b + m) + R·2·B·n_kv·H_kv·D·a
 ``schedule="auto"`` rotates the queries when S_q·H < S_kv·H_kv (the smaller side moves), else K/V.
+
+Shapes across ranks (docs/cross_attention.md): before the first exchange the SP ranks all-gather their
+shapes (:func:`cross_plan`, 48 int64 per rank). n_q and n_kv may differ between ranks: every shard is
+padded to the largest, N_q / N_kv (padded keys masked out, padded query rows dropped; exact), and the
+formulas above hold with n = N and m = 1 whenever a rank has a mask or the n_kv differ. ``auto`` decides
+from N_q·H vs N_kv·H_kv, the same on every rank. B, H, H_kv, D, the dtype and the schedule must agree:
+``RankShapeError`` on every rank, naming each rank's shapes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ds_seqpar.comm.all_to_all import HeadPlan
 from ds_seqpar.comm.p2p import RingComm
@@ -43,9 +52,11 @@ from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward, resolve_kernel
 from ds_seqpar.ops.merge import merge_attn_
 from ds_seqpar.ops.precision import accumulation_dtype, accumulator_bytes
+from ds_seqpar.parallel.agree import RankInputs, RankShapeError, different_callers, gather_inputs
 from ds_seqpar.parallel.ulysses import gather_heads, scatter_heads
 
 CROSS_SCHEDULES = ("auto", "rotate_q", "rotate_kv")
+CALLER = "cross_attention"
 
 
 def choose_cross_schedule(q_tokens: int, heads: int, kv_tokens: int, kv_heads: int) -> str:
@@ -201,29 +212,67 @@ class _CrossAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
-def cross_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mesh: SeqParMesh,
-    kv_mask: torch.Tensor | None = None,
-    softmax_scale: float | None = None,
-    schedule: str = "auto",
-) -> torch.Tensor:
-    """Exact (non-causal) attention of this rank's queries over the keys of every rank of the ring.
+@dataclass(frozen=True)
+class CrossPlan:
+    """What the ranks agreed (:func:`cross_plan`): the padded shard sizes every rank runs with, whether every
+    rank carries a key mask, and the schedule (the same on every rank)."""
 
-    Args:
-        q: ``[B, n_q, H, D]``, this rank's contiguous part of the queries (n_q = S_q / R);
-            k, v: ``[B, n_kv, H_kv, D]``, its contiguous part of the keys / values (H % H_kv == 0).
-        kv_mask: None, or bool ``[B, n_kv]``: True for real keys (padding False).
-        schedule: ``auto`` (:func:`choose_cross_schedule`), ``rotate_q`` or ``rotate_kv``.
-    The block kernel is the mesh's ``sequence_parallel.kernel`` ("auto" when the mesh has no section).
+    q_tokens: int
+    kv_tokens: int
+    kv_mask: bool
+    schedule: str
 
-    Returns ``out [B, n_q, H, D]`` in q.dtype, differentiable in q, k, v. Checks run before any collective.
-    """
-    if schedule not in CROSS_SCHEDULES:
-        raise ValueError(f"cross_attention schedule={schedule!r}; valid: {', '.join(CROSS_SCHEDULES)}")
+
+def cross_plan(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.Tensor | None, mesh: SeqParMesh,
+    schedule: str,
+) -> CrossPlan:  # fmt: skip
+    """The SP ranks' agreed plan: one all-gather of every rank's shapes (``parallel/agree.py``), then the
+    same decision on every rank. n_q and n_kv may differ between ranks: every shard is padded to the
+    largest (padded keys masked out, padded query rows dropped: exact). Everything else must agree, else
+    ``RankShapeError`` on every rank, naming each rank's shapes."""
+    ranks = gather_inputs(mesh, CALLER, (q, k, v, kv_mask), (CROSS_SCHEDULES.index(schedule),))
+    problem = different_callers(ranks, CALLER)
+    if problem is None and len({_must_agree(r) for r in ranks}) > 1:
+        listed = "; ".join(r.describe(("q", "k", "v", "kv_mask")) + f" schedule={CROSS_SCHEDULES[r.flags[0]]}"
+                           for r in ranks)  # fmt: skip
+        problem = (
+            f"{CALLER}: the ranks of the SP group disagree on batch, heads, head dim, dtype or schedule "
+            f"({listed}); only the token counts n_q and n_kv may differ between ranks (they are padded): "
+            "pass every rank the same B, H, H_kv, D, dtype and schedule"
+        )
+    if problem is not None:
+        raise RankShapeError(problem)
+    n_q, n_kv = max(r.shapes[0][1] for r in ranks), max(r.shapes[1][1] for r in ranks)
+    if n_q == 0 or n_kv == 0:
+        raise RankShapeError(
+            f"{CALLER}: no rank of the SP group holds a {'query' if n_q == 0 else 'key'} (every shard has 0 "
+            "tokens); pass at least one query and one key in the group"
+        )
+    mask = len({r.shapes[1][1] for r in ranks}) > 1 or any(r.shapes[3] is not None for r in ranks)
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if mesh.ring_size == 1:
+        schedule = "rotate_kv"  # one ring rank: a single block either way
+    elif schedule == "auto":
+        schedule = choose_cross_schedule(n_q, heads, n_kv, kv_heads)  # agreed sizes: the same on every rank
+    return CrossPlan(n_q, n_kv, mask, schedule)
+
+
+def _must_agree(r: RankInputs) -> tuple:
+    """A rank's (B, H, D, H_kv, dtypes, schedule): what every rank of one call must share."""
+    (b, _, h, d), kv = r.shapes[0], r.shapes[1]
+    return b, h, d, kv[2], r.dtypes[:3], r.flags
+
+
+def _pad_tokens(x: torch.Tensor, tokens: int, value: float | bool = 0) -> torch.Tensor:
+    """``x`` padded along dim 1 to ``tokens`` (differentiable; no copy when it already has them)."""
+    extra = tokens - x.shape[1]
+    return x if extra == 0 else F.pad(x, [0, 0] * (x.dim() - 2) + [0, extra], value=value)
+
+
+def _check_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.Tensor | None,
+                 mesh: SeqParMesh) -> None:  # fmt: skip
+    """This rank's shapes (before any collective)."""
     if (
         q.dim() != 4
         or k.dim() != 4
@@ -246,16 +295,51 @@ def cross_attention(
         )
     if kv_mask is not None and tuple(kv_mask.shape) != tuple(k.shape[:2]):
         raise ValueError(f"kv_mask {tuple(kv_mask.shape)} must be [B, n_kv] = {tuple(k.shape[:2])}")
-    if schedule == "auto":
-        schedule = choose_cross_schedule(q.shape[1], q.shape[2], k.shape[1], k.shape[2])
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    if mesh.ring_size == 1:
-        schedule = "rotate_kv"  # one rank: a single block either way
+
+
+def cross_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mesh: SeqParMesh,
+    kv_mask: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    schedule: str = "auto",
+) -> torch.Tensor:
+    """Exact (non-causal) attention of this rank's queries over the keys of every rank of the ring.
+
+    Args:
+        q: ``[B, n_q, H, D]``, this rank's contiguous part of the queries; k, v: ``[B, n_kv, H_kv, D]``, its
+            contiguous part of the keys / values (H % H_kv == 0). n_q and n_kv may differ between ranks
+            (e.g. ``torch.chunk`` of a length P does not divide); B, H, H_kv, D and the dtype may not.
+        kv_mask: None, or bool ``[B, n_kv]``: True for real keys (padding False).
+        schedule: ``auto`` (:func:`choose_cross_schedule` on the agreed shard sizes), ``rotate_q`` or
+            ``rotate_kv``; the same on every rank.
+    The block kernel is the mesh's ``sequence_parallel.kernel`` ("auto" when the mesh has no section).
+
+    Returns ``out [B, n_q, H, D]`` in q.dtype, differentiable in q, k, v. Local checks run before any
+    collective; then one all-gather of every rank's shapes (:func:`cross_plan`) before the first exchange.
+    """
+    if schedule not in CROSS_SCHEDULES:
+        raise ValueError(f"cross_attention schedule={schedule!r}; valid: {', '.join(CROSS_SCHEDULES)}")
+    _check_local(q, k, v, kv_mask, mesh)
     kernel = mesh.settings.kernel  # sequence_parallel.kernel
     resolve_kernel(kernel, q.device, q.dtype, None)  # an unavailable kernel fails here, not mid-ring
+    plan = cross_plan(q, k, v, kv_mask, mesh, schedule)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    local_q = q.shape[1]
+    if plan.kv_mask and kv_mask is None:
+        kv_mask = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)
+    if kv_mask is not None:
+        kv_mask = _pad_tokens(kv_mask.bool(), plan.kv_tokens, value=False)
+    q = _pad_tokens(q, plan.q_tokens)
+    k, v = _pad_tokens(k, plan.kv_tokens), _pad_tokens(v, plan.kv_tokens)
     if mesh.ulysses_size == 1:
-        return _CrossAttention.apply(q, k, v, kv_mask, mesh, scale, schedule, kernel)
-    heads = HeadPlan.build(q.shape[2], k.shape[2], mesh.ulysses_size)
-    q, k, v = scatter_heads(q, k, v, heads, mesh, separate=True)  # q and k/v have different token counts
-    out = _CrossAttention.apply(q, k, v, _gather_mask(kv_mask, mesh), mesh, scale, schedule, kernel)
-    return gather_heads(out, heads, mesh)
+        out = _CrossAttention.apply(q, k, v, kv_mask, mesh, scale, plan.schedule, kernel)
+    else:
+        heads = HeadPlan.build(q.shape[2], k.shape[2], mesh.ulysses_size)
+        q, k, v = scatter_heads(q, k, v, heads, mesh, separate=True)  # q and k/v have different token counts
+        out = _CrossAttention.apply(q, k, v, _gather_mask(kv_mask, mesh), mesh, scale, plan.schedule, kernel)
+        out = gather_heads(out, heads, mesh)
+    return out if out.shape[1] == local_q else out[:, :local_q]

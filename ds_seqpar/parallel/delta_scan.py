@@ -18,6 +18,8 @@ autograd of the linear correction term), the reverse scan with Mᵀ, then each p
 autograd through its sweep from the entering state with the received gradient of its leaving state.
 Communication per rank and layer: Ulysses as in USP, plus ONE state ``[B, h_u, d_k, d_v]`` per ring hop
 and direction (independent of S and P); ``scan: all_gather`` receives the (M, N) of the R - 1 others.
+Every SP rank must pass the same shapes (here and to ``sharded_causal_conv1d``): the first call with a new
+shape on a mesh checks it over the SP group (``parallel/agree.py``), later calls run no extra collective.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.conv import causal_conv1d_runs
 from ds_seqpar.ops.delta import entering_state_output, piece_outputs, piece_transition, prepare_piece
 from ds_seqpar.ops.delta.checks import check_gates
-from ds_seqpar.parallel.linear_scan import ScanPlan, check_heads, scan_plan, to_heads
+from ds_seqpar.parallel.agree import check_same_inputs
+from ds_seqpar.parallel.linear_scan import SAME_SCAN_SHARDS, ScanPlan, check_heads, scan_plan, to_heads
 from ds_seqpar.settings import input_layout
 
 
@@ -167,6 +170,8 @@ def delta_rule_attention(
     chain_owners(layout.ring)  # layout check, pre-comm
     check_heads(h, mesh, "a delta-rule layer")
     heads = HeadPlan.build(h, h, mesh.ulysses_size)
+    check_same_inputs(mesh, "delta_rule_attention", ("q", "k", "v", "beta", "log_decay", "initial_state"),
+                      (q, k, v, beta, log_decay, initial_state), fix=SAME_SCAN_SHARDS)  # fmt: skip
     group, me, stats = mesh.group("ulysses"), mesh.coords.ulysses_rank, mesh.comm_stats
     gate = None if log_decay is None else (log_decay if log_decay.dim() == 4 else log_decay.unsqueeze(-1))
     parts = [q, k, v, beta.unsqueeze(-1)] + ([gate] if gate is not None else [])
@@ -214,6 +219,7 @@ def sharded_causal_conv1d(
         raise ValueError(f"sharded_causal_conv1d takes x [B, n, C], got shape {tuple(x.shape)}")
     width = (conv.kernel_size[0] if isinstance(conv, torch.nn.Conv1d) else conv[0].shape[-1]) - 1
     plan = conv_halo_plan(mesh, x.shape[1], width)
+    check_same_inputs(mesh, "sharded_causal_conv1d", ("x",), (x,), (width,), SAME_SCAN_SHARDS, ("halo",))
     sp = mesh.group("sp")
     halo = halo_exchange(x, plan, sp, mesh.members["sp"], mesh.coords.sp_rank, mesh.comm_stats)
     return causal_conv1d_runs(x, plan.runs, halo, conv, activation)

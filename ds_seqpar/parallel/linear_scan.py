@@ -16,6 +16,8 @@ Backward: the reverse scan of the state gradient (dE_loc of every piece first, t
 then each piece's gradients by autograd through its local computation with the received gradient of
 its leaving state. Communication per rank and layer: Ulysses as in USP, plus ONE state per ring hop
 and direction (``[B, h_u, d_k, d_v]``), independent of S; ``scan: all_gather`` receives R - 1 (LASP-2).
+Every SP rank must pass the same shapes: the first call with a new shape on a mesh checks it over the SP
+group (``parallel/agree.py``; ``RankShapeError`` on every rank), later calls run no extra collective.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ds_seqpar.comm.scan import StateScan, chain_owners
 from ds_seqpar.errors import SeqParConfigError
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.linear import advance_state, entering_state_output, local_scan, piece_state
+from ds_seqpar.parallel.agree import check_same_inputs
 from ds_seqpar.settings import input_layout
 
 
@@ -131,6 +134,12 @@ class _LinearScan(torch.autograd.Function):
         )
 
 
+SAME_SCAN_SHARDS = (
+    "every SP rank must pass the same shapes and dtypes (n = S / P tokens each: shard each batch with "
+    "ds_seqpar.shard_batch / seqpar_dataloader) and run the same layers"
+)
+
+
 def check_heads(h: int, mesh: SeqParMesh, what: str) -> None:
     """A recurrent layer splits its heads over Ulysses: refuse U > H by name (before any collective)."""
     if h < mesh.ulysses_size:
@@ -213,6 +222,8 @@ def linear_attention(
     chain_owners(layout.ring)  # layout check, pre-comm
     check_heads(h, mesh, "a linear-attention layer")
     heads = HeadPlan.build(h, h, mesh.ulysses_size)
+    check_same_inputs(mesh, "linear_attention", ("q", "k", "v", "log_decay", "initial_state"),
+                      (q, k, v, log_decay, initial_state), fix=SAME_SCAN_SHARDS)  # fmt: skip
     group, me, stats = mesh.group("ulysses"), mesh.coords.ulysses_rank, mesh.comm_stats
     per_token = log_decay is not None and log_decay.dim() > 1
     parts = [q, k, v] + (

@@ -238,7 +238,8 @@ def sparse_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sparse (vertical-slash) attention of the SP group; called by ``ds_seqpar.attention`` after its checks.
+    """Sparse (vertical-slash) attention of the SP group; called by ``ds_seqpar.attention`` after its checks
+    (the SP ranks' agreement on shapes, ``parallel/agree.py``, included: every rank's shapes are equal here).
 
     Args:
         q: ``[B, n, H, D]``; k, v: ``[B, n, H_kv, D]`` in ``layout`` (a ``UspLayout``) order.

@@ -155,6 +155,10 @@ def team_attention(
 
     Returns:
         ``(out [B, n, H, D] in q.dtype, lse [B, H, n])``; differentiable in q, k, v and sinks.
+
+    Contract: every ring rank passes the same shapes and dtype, and the same ``backward`` (``auto`` is decided
+    from the heads, so equal shapes pick one variant everywhere); ``ds_seqpar.attention`` checks the shapes
+    over the SP group first (``parallel/agree.py``), a direct caller must shard alike.
     """
     check_qkv(q, k, v, "team attention")
     check_sinks(sinks, q, "team attention")

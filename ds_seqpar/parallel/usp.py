@@ -10,7 +10,10 @@ Legend: P = SP degree = U · R, n = S / P tokens per rank, B, H, H_kv, D as usua
 ``attention: "ulysses"`` is the case R = 1 and ``attention: "ring"`` the case U = 1 of the same
 code. Communication per rank and layer (fwd, docs/attention.md "Bytes per rank and layer", tested exactly):
 Ulysses ``(U-1)/U · B·n·D·(2H + 2H_kv)`` + ring ``2(R-1) · B·(S/R)·(H_kv/U)·D`` elements.
-Every check runs before the first collective.
+Every check runs before the first collective. Then the SP ranks agree on their shapes: the first call with
+a new local shape on a mesh all-gathers every rank's (``parallel/agree.py``, docs/cross_attention.md "Shapes
+across ranks"); shards that differ raise ``RankShapeError`` on every rank instead of aborting in gloo or
+hanging in NCCL. Later calls with that shape run no extra collective.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ds_seqpar.ops.masks import MaskSpec
 from ds_seqpar.ops.precision import accumulation_dtype
 from ds_seqpar.ops.sparse.kernels import resolve_sparse_kernel
 from ds_seqpar.parallel.activation import sparse_layer_active
+from ds_seqpar.parallel.agree import check_same_inputs
 from ds_seqpar.parallel.ring import OutputDelta, RingPlan, WorkCounter, check_qkv, check_sinks, ring_attention
 from ds_seqpar.parallel.sparse_ring import sparse_attention
 from ds_seqpar.parallel.team import team_attention
@@ -57,6 +61,14 @@ RUNNERS: dict[str, Runner] = {
     ),
 }
 """``ScheduleSpec.runner`` -> how ``ds_seqpar.attention`` runs it (the ring engine, or the team wrapper)."""
+
+
+AGREED = ("q", "k", "v", "sinks", "doc_ids")  # what every SP rank must pass alike, with causal and window
+SAME_SHARDS = (
+    "every SP rank must pass the same B, n, H, H_kv, D and dtype: shard each batch with ds_seqpar's layout "
+    "(ds_seqpar.shard_batch / seqpar_dataloader, which pad S to the layout's multiple) so every rank holds "
+    "n = S / P tokens, and run the same layers on every rank"
+)
 
 
 def _check(
@@ -165,12 +177,15 @@ def attention(
     resolve_kernel(
         settings.kernel, q.device, q.dtype, softcap
     )  # an unavailable kernel fails here, not mid-collective
+    agree = (q, k, v, sinks, doc_ids), (int(causal), -1 if window is None else window)
     if settings.attention == "sparse_ring" and causal and sparse_layer_active(settings.sparse, layer, step):
         resolve_sparse_kernel(settings.sparse.kernel, q.device, q.dtype)  # fails here, not mid-collective
+        check_same_inputs(mesh, "ds_seqpar.attention", AGREED, *agree, SAME_SHARDS, ("causal", "window"))
         mask = dict(window=window, doc_ids=doc_ids, work=work, layer=layer, softcap=softcap, sinks=sinks)
         return sparse_attention(q, k, v, mesh=mesh, layout=layout, schedule=mesh.schedule(), seq_len=seq_len,
                                 softmax_scale=softmax_scale, **mask)  # fmt: skip
     plan = _ring_plan(mesh, layout, MaskSpec(causal=causal, window=window), doc_ids, work, softcap)
+    check_same_inputs(mesh, "ds_seqpar.attention", AGREED, *agree, SAME_SHARDS, ("causal", "window"))
     return _ulysses_over_ring(q, k, v, mesh, plan, softmax_scale, sinks)
 
 

@@ -49,7 +49,15 @@ from ds_seqpar.comm.schedules.ring import RingSpec, chain_rounds, double_ring_pe
 from ds_seqpar.comm.stats import CommStats
 from ds_seqpar.layout.composite import GroupLayout, PieceLayout
 
-__all__ = ["CycleComm", "TaspSchedule", "TaspSpec", "tasp_domains", "tasp_peers", "tasp_subchunks"]
+__all__ = [
+    "CycleComm",
+    "TaspSchedule",
+    "TaspSpec",
+    "nearest_domains",
+    "tasp_domains",
+    "tasp_peers",
+    "tasp_subchunks",
+]
 
 
 class CycleComm:
@@ -254,6 +262,13 @@ def tasp_domains(ring: int) -> list[int]:
     return [d for d in range(2, ring + 1) if ring % d == 0 and has_decomposition(d)]
 
 
+def nearest_domains(ring: int, domain: int) -> list[int]:
+    """The valid TASP domain sizes for ring degree ``ring`` (:func:`tasp_domains`) nearest to ``domain``."""
+    valid = tasp_domains(ring)
+    best = min((abs(d - domain) for d in valid), default=0)
+    return [d for d in valid if abs(d - domain) == best]
+
+
 def _check_domain(ring: int, domain: int | None) -> tuple[int, int]:
     d, r_out = split_domain(ring, domain, "tasp domain (inner)")
     if d == 1:
@@ -263,7 +278,7 @@ def _check_domain(ring: int, domain: int | None) -> tuple[int, int]:
     if not has_decomposition(d):
         raise ValueError(
             f"tasp domain d={d} has no Hamiltonian decomposition (none exists for 4 or 6 ranks, Tillson); "
-            f"nearest valid sizes: d={d - 1} or d={d + 1}; valid for R={ring}: {tasp_domains(ring)}"
+            f"valid for R={ring}: {tasp_domains(ring)} (nearest: {' or '.join(map(str, nearest_domains(ring, d)))})"
         )
     return d, r_out
 
@@ -306,7 +321,8 @@ class TaspSpec(ScheduleSpec):
                 f"sequence_parallel.ring.schedule='tasp' over a domain of {domain} ranks (ring.inner_size="
                 f"{inner}, ring degree R={ring_degree}): the complete digraph on 4 or 6 ranks has no Hamiltonian "
                 f"decomposition; valid: ring.inner_size in {', '.join(map(str, tasp_domains(ring_degree)))} "
-                f"(nearest sizes with one: {domain - 1}, {domain + 1}), or ring.schedule='p2p'"
+                f"(the sizes that divide R={ring_degree} and have one; nearest to {domain}: "
+                f"{' or '.join(map(str, nearest_domains(ring_degree, domain)))}), or ring.schedule='p2p'"
             )
 
     def pieces(self, params: RingParams) -> int:

@@ -290,6 +290,11 @@ def ring_attention(
     Returns:
         ``(out [B, n, H, D] in q.dtype, lse [B, H, n])`` (lse includes the sinks); differentiable in
         q, k, v and sinks.
+
+    Contract: every rank of the ring passes the same shapes and dtype (the schedule's P2P sizes assume it).
+    This engine entry takes no mesh and runs no collective to check; ``ds_seqpar.attention`` checks it over
+    the SP group before its first call with a shape (``parallel/agree.py``), and a direct caller must shard
+    alike (docs/cross_attention.md "Shapes across ranks").
     """
     if delta is not None and sinks is not None:
         raise ValueError(
