@@ -7,7 +7,8 @@ its traceback it would appear N times, buried above the launcher's failure repor
 
 * the first rank of the job that reaches the report (a lock file keyed by the launcher process)
   reports it and exits with code 2; every other rank exits with code 0 at once, quietly, so the
-  launcher's summary names one failed rank;
+  launcher's summary names one failed rank; the reporting rank removes the lock file just before
+  its exit (after ``WINNER_EXIT_DELAY_S``, by when the other ranks have gone);
 * under ``torchrun`` the report goes into torchrun's error file (``TORCHELASTIC_ERROR_FILE``), which
   torchrun prints as the ``traceback`` line at the end of its failure summary (so does a multi-process
   ``accelerate launch``, which runs torch elastic); under DeepSpeed's launcher and in a single process
@@ -20,6 +21,7 @@ training step (``StepFailed``) the cause's traceback is part of the one report.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -64,11 +66,19 @@ def _job_key() -> str:
     return f"{ppid}-{started}-{launcher}"
 
 
+_CLAIMED: list[str] = []  # the lock file this process created (removed by _release_report)
+
+
+def _lock_path() -> str:
+    """The job's report lock: a 0-byte file in the temp directory, created by the reporting rank."""
+    return os.path.join(tempfile.gettempdir(), f"ds_seqpar-error-{_job_key()}")
+
+
 def _claim_report() -> bool:
     """True for the first rank of this job (on this machine) that asks; False for every later one."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return True
-    path = os.path.join(tempfile.gettempdir(), f"ds_seqpar-error-{_job_key()}")
+    path = _lock_path()
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
@@ -76,6 +86,7 @@ def _claim_report() -> bool:
     except OSError:  # no writable temp dir: fall back to rank 0
         return os.environ.get("RANK", "0") == "0"
     os.close(fd)
+    _CLAIMED.append(path)
     return True
 
 
@@ -114,8 +125,17 @@ def report(exc: BaseException) -> NoReturn:
             json.dump(payload, fh)
     else:
         print(text, file=sys.stderr, flush=True)
-    time.sleep(WINNER_EXIT_DELAY_S if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0.0)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(WINNER_EXIT_DELAY_S)  # the other ranks have found the lock and exited by now
+        _release_report()
     os._exit(EXIT_CODE)
+
+
+def _release_report() -> None:
+    """Remove the report lock this process created (the reporting rank, just before it exits)."""
+    while _CLAIMED:
+        with contextlib.suppress(OSError):  # already gone
+            os.remove(_CLAIMED.pop())
 
 
 def run_main(main: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

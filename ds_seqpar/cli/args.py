@@ -1,7 +1,9 @@
 """``train.py``'s flags and configuration: the parser, and every check that runs before any process group.
 
-Every flag and the whole config are checked here (``parse_args``), so a bad input fails before
-torch.distributed starts, naming the flag or key and the fix.
+Every flag, the whole config and the inputs are checked here (``parse_args``), so a bad input fails
+before torch.distributed starts, naming the flag, key or file and the fix: the DeepSpeed JSON's batch keys,
+the model directory (config.json, tokenizer, weights unless ``--random-init``) and ``--data`` (read,
+checked and tokenized once: ``args.data_tokens``, ``ds_seqpar.tasks.text``).
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ds_seqpar.config import load_config, with_overrides
-from ds_seqpar.errors import SeqParConfigError
+from ds_seqpar.errors import MissingFileError, SeqParConfigError
 
 __all__ = [
     "DEFAULT_CONFIG",
     "DEFAULT_MLM_MODEL",
     "DEFAULT_MODEL",
     "build_parser",
+    "load_tokenizer",
     "model_config",
     "model_path",
     "parse_args",
@@ -176,8 +179,21 @@ def _output_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the latest checkpoint in OUTPUT_DIR/checkpoints (one saved by another number of "
-        "ranks is converted to DeepSpeed's universal checkpoint first)",
+        help="continue from the newest complete checkpoint in OUTPUT_DIR/checkpoints (checked against its "
+        "manifest; one saved by another number of ranks is converted to DeepSpeed's universal checkpoint first)",
+    )
+    p.add_argument(
+        "--max-bad-steps",
+        type=int,
+        default=10,
+        help="stop the run (rc 2, nothing saved or exported) after this many consecutive steps with a non-finite "
+        "loss or skipped by DeepSpeed's overflow check",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start a new run in an OUTPUT_DIR that holds one: the old run is moved aside to "
+        "OUTPUT_DIR.old-<time> (never deleted); without it (or --resume) such a directory is refused",
     )
     p.add_argument(
         "--eval-every",
@@ -209,11 +225,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name} {path!r} does not exist")
     section, ds_config = _section(args, parser)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    training = args.max_seq_len_search is None  # the search reads only config.json
+    _check_model_dir(args)
     config = model_config(args)
-    _check_objective(args, config, parser)
+    tokenizer = load_tokenizer(args) if training or args.objective == "mlm" else None
+    _check_objective(args, config, tokenizer, parser)
+    if training and args.model is not None and not args.random_init:
+        _check_weights(Path(args.model))
     args.settings = section.validate(config, world)  # heads vs U, world vs size: before any process group
+    _check_train_batch(ds_config, args.ds_config, world // args.settings.size)
     _check_monitor(ds_config, args.ds_config, args.output_dir)
     args.section, args.ds_config_dict = section, ds_config
+    args.data_tokens = _data_tokens(args, tokenizer) if training and args.data is not None else None
     return args
 
 
@@ -225,6 +248,8 @@ def _check_numbers(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error(f"--max-seq-len-search={args.max_seq_len_search:g} must be a budget > 0 MiB per rank")
     if args.save_every < 0 or args.eval_every < 0 or args.eval_samples < 1:
         parser.error("--save-every and --eval-every must be >= 0 and --eval-samples >= 1")
+    if args.max_bad_steps < 1:
+        parser.error(f"--max-bad-steps={args.max_bad_steps} must be >= 1 (consecutive bad steps that stop the run)")
 
 
 def _phases(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[tuple[int, int]]:
@@ -271,6 +296,7 @@ def _section(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
             "step; valid: gradient_accumulation_steps=1 (raise train_micro_batch_size_per_gpu instead), or use "
             "SeqParTrainer / ds_seqpar.initialize for accumulation"
         )
+    _check_micro_batch(ds_config, args.ds_config)
     if args.sp_size is not None:
         section = _with_size(section, args.sp_size, parser)
         if "sequence_parallel_size" in ds_config:  # DeepSpeed's own key follows the override
@@ -280,6 +306,40 @@ def _section(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
     if not section.enabled:
         raise SeqParConfigError(f"{args.ds_config}: sequence_parallel.enabled is false; train.py needs it on")
     return section, ds_config
+
+
+BATCH_KEYS = ("train_micro_batch_size_per_gpu", "train_batch_size")
+
+
+def _check_micro_batch(ds_config: dict[str, Any], config_path: str) -> None:
+    """The micro batch train.py's loader and DeepSpeed use: an integer >= 1 (1 when the JSON has neither
+    batch key; DeepSpeed needs one of them)."""
+    for key in BATCH_KEYS:
+        value = ds_config.get(key)
+        if key in ds_config and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise SeqParConfigError(
+                f"{config_path}: {key}={value!r}: set an integer >= 1; 'auto' is filled in only by the HF "
+                "Trainer integration (SeqParTrainer), not by train.py"
+            )
+    if "train_micro_batch_size_per_gpu" not in ds_config:
+        if "train_batch_size" in ds_config:  # DeepSpeed would derive the micro batch the loader does not use
+            raise SeqParConfigError(
+                f"{config_path}: train_batch_size={ds_config['train_batch_size']} without "
+                "train_micro_batch_size_per_gpu; train.py reads the micro batch per rank from "
+                "train_micro_batch_size_per_gpu: set it (and drop train_batch_size, which is micro x dp)"
+            )
+        ds_config["train_micro_batch_size_per_gpu"] = 1
+
+
+def _check_train_batch(ds_config: dict[str, Any], config_path: str, dp: int) -> None:
+    """An explicit ``train_batch_size`` must be micro batch x dp (gradient accumulation is 1), as DeepSpeed
+    asserts inside ``deepspeed.initialize``."""
+    micro, total = ds_config["train_micro_batch_size_per_gpu"], ds_config.get("train_batch_size")
+    if total is not None and total != micro * dp:
+        raise SeqParConfigError(
+            f"{config_path}: train_batch_size={total} is not train_micro_batch_size_per_gpu={micro} x data "
+            f"parallel {dp} (world / sequence_parallel.size); fix: drop train_batch_size or set it to {micro * dp}"
+        )
 
 
 MEMORY_SAVINGS = ("activation_checkpointing", "offload", "tiled_mlp", "tiled_norms")
@@ -318,7 +378,75 @@ def model_path(args: argparse.Namespace) -> str | Path:
     return args.model or (DEFAULT_MLM_MODEL if args.objective == "mlm" else DEFAULT_MODEL)
 
 
-def _check_objective(args: argparse.Namespace, config: Any, parser: argparse.ArgumentParser) -> None:
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.index.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+    "*.tiktoken",
+)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _check_model_dir(args: argparse.Namespace) -> None:
+    """The model directory holds a config.json."""
+    path = Path(model_path(args))
+    if not (path / "config.json").is_file():
+        raise MissingFileError(
+            f"--model {path}: no config.json in this directory; fix: pass a HuggingFace model directory "
+            "(what save_pretrained writes: config.json, the tokenizer files, the weights), e.g. assets/tiny-llama"
+        )
+
+
+def _check_weights(path: Path) -> None:
+    """The model directory holds weights for ``from_pretrained`` (checked without ``--random-init``)."""
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+        raise MissingFileError(
+            f"--model {path}: no weights in this directory (looked for {', '.join(WEIGHT_PATTERNS)}); fix: "
+            "--random-init to train its architecture from config.json with random weights, or a directory "
+            "with the weights"
+        )
+
+
+def load_tokenizer(args: argparse.Namespace) -> Any:
+    """The tokenizer of the model directory; a directory without one (or one that does not load) is
+    refused by name."""
+    from transformers import AutoTokenizer
+
+    path = Path(model_path(args))
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError, ImportError, KeyError, TypeError) as exc:
+        if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
+            raise MissingFileError(
+                f"--model {path}: no tokenizer in this directory (looked for {', '.join(TOKENIZER_FILES)}); "
+                "fix: save the tokenizer of the model it came from there (tokenizer.save_pretrained(DIR) "
+                "writes tokenizer.json and tokenizer_config.json)"
+            ) from exc
+        raise SeqParConfigError(
+            f"--model {path}: its tokenizer does not load: {_first_line(exc)}; fix: save it as a fast "
+            "tokenizer (tokenizer.json, via tokenizer.save_pretrained(DIR)) or install what the message names"
+        ) from exc
+
+
+def _data_tokens(args: argparse.Namespace, tokenizer: Any) -> Any:
+    """``--data`` read, checked and tokenized (every phase packs these tokens); too few for the longest
+    phase's rows is refused here, before any process group."""
+    from ds_seqpar.tasks.text import load_documents, tokenize_documents
+
+    tokens = tokenize_documents(load_documents(args.data, args.text_field), tokenizer, args.data)
+    tokens.require_rows(max(seq for seq, _ in args.phases), tokenizer.eos_token_id)
+    return tokens
+
+
+def _check_objective(
+    args: argparse.Namespace, config: Any, tokenizer: Any, parser: argparse.ArgumentParser
+) -> None:
     """``--objective`` must fit the model: a masked-LM head for mlm, no encoder-only model for causal."""
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -331,15 +459,11 @@ def _check_objective(args: argparse.Namespace, config: Any, parser: argparse.Arg
             f"--objective mlm: the model at {model_path(args)} (model_type={kind!r}) has no masked-LM class in "
             "transformers; valid: an encoder such as modernbert or bert (assets/tiny-modernbert), or --objective causal"
         )
-    if args.objective == "mlm":
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_path(args), trust_remote_code=args.trust_remote_code)
-        if tokenizer.mask_token_id is None:
-            parser.error(
-                f"--objective mlm: the tokenizer at {model_path(args)} has no mask token; set mask_token in its "
-                "tokenizer_config.json"
-            )
+    if args.objective == "mlm" and tokenizer.mask_token_id is None:
+        parser.error(
+            f"--objective mlm: the tokenizer at {model_path(args)} has no mask token; set mask_token in its "
+            "tokenizer_config.json"
+        )
     if (
         args.objective == "causal"
         and kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES
@@ -355,7 +479,14 @@ def model_config(args: argparse.Namespace) -> Any:
     """The model's HF config, with --rope-scaling applied."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_path(args), trust_remote_code=args.trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(model_path(args), trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError, KeyError) as exc:  # a malformed config.json (JSON, model_type, fields)
+        raise SeqParConfigError(
+            f"{Path(model_path(args)) / 'config.json'} does not load as a transformers config: "
+            f"{_first_line(exc)}; fix: the config.json that save_pretrained wrote for this model (with "
+            "its model_type)"
+        ) from exc
     if args.rope_scaling:
         # transformers 5 reads RoPE settings from config.rope_parameters (rope_scaling is deprecated)
         params = dict(getattr(config, "rope_parameters", None) or {})

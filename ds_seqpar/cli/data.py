@@ -1,5 +1,8 @@
 """``train.py``'s data: the training sets of the curriculum's phases and the held-out set (the embedded
-passkey task, or packed text from --data; masked for --objective mlm), and the endless batch stream."""
+passkey task, or packed text from --data; masked for --objective mlm), and the endless batch stream.
+
+``--data`` is read, checked and tokenized once, by ``parse_args`` before any process group
+(``args.data_tokens``); each phase packs those tokens into its rows."""
 
 from __future__ import annotations
 
@@ -55,7 +58,8 @@ def _token_datasets(args: argparse.Namespace, tokenizer: Any, num_train: int) ->
         return train, PasskeyDataset(task, args.eval_samples, args.seq_len, seed=10**9 + args.seed)
     train, held = [], None
     for seq_len, _ in args.phases:
-        data = PackedTextDataset(args.data, tokenizer, seq_len, args.text_field)
+        tokens = getattr(args, "data_tokens", None)  # read and checked by parse_args
+        data = PackedTextDataset(args.data, tokenizer, seq_len, args.text_field, tokens=tokens)
         n_eval = min(args.eval_samples, max(1, len(data) // 10))
         train.append(torch.utils.data.Subset(data, range(len(data) - n_eval)) if len(data) > n_eval else data)
         if seq_len == args.seq_len:
