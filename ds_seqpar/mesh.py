@@ -20,6 +20,12 @@ group           members                                          used for
 ``sp_dp``       all dp*SP ranks (= world)                        ZeRO sharding and grad reduction
 =============== ================================================ ==============================
 
+Every group ds_seqpar creates carries the mesh's ``fault_timeout_s`` (``sequence_parallel.fault_timeout_s``;
+the ``timeout`` of ``torch.distributed.new_group``, which gloo and NCCL both honour), so no collective on
+them waits longer for a failed, dead or stopped peer (docs/reliability.md "A failed, dead or hung rank is
+named, within a bounded time"). ``sp_dp`` is the default group itself (``init_distributed`` gives it the
+same timeout).
+
 Nothing here is module-level state: a ``SeqParMesh`` is built once and passed explicitly.
 ``plan_mesh`` computes the member lists without torch.distributed, so it can be checked anywhere;
 ``plan_from_config`` does the same for a ``sequence_parallel`` section (``python -m ds_seqpar.report``).
@@ -31,6 +37,7 @@ groups (same sizes), which is how one set of groups serves many configurations (
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,10 +154,13 @@ def _mesh_sizes(settings: SeqParSettings) -> tuple[int, int, int | None]:
     return settings.size, settings.ulysses_degree, settings.ring.inner_size
 
 
-def _sizes_section(sp_size: int, ulysses_size: int, ring_inner_size: int | None) -> SequenceParallelConfig:
+def _sizes_section(
+    sp_size: int, ulysses_size: int, ring_inner_size: int | None, fault_timeout_s: float | None = None
+) -> SequenceParallelConfig:
     """The default section of a mesh of these sizes (what ``SeqParMesh.build`` follows)."""
     ring = {} if ring_inner_size is None else {"inner_size": ring_inner_size}
-    return SequenceParallelConfig(size=sp_size, ulysses_degree=ulysses_size, ring=ring)
+    timeout = {} if fault_timeout_s is None else {"fault_timeout_s": fault_timeout_s}
+    return SequenceParallelConfig(size=sp_size, ulysses_degree=ulysses_size, ring=ring, **timeout)
 
 
 def plan_from_config(
@@ -165,11 +175,17 @@ def plan_from_config(
 @dataclass
 class MeshGroups:
     """The process groups of a mesh: this rank's group of every kind, their members, and the ring subgroups
-    made on demand (StarTrail teams, ATTENTION2D rows and columns). Shared by meshes of the same sizes."""
+    made on demand (StarTrail teams, ATTENTION2D rows and columns), and the timeout every one of them was
+    created with (``fault_timeout_s``). Shared by meshes of the same sizes."""
 
     process_groups: dict[str, Any]
     members: dict[str, list[int]]
+    timeout_s: float
     subgroups: dict[str, tuple[Any, list[int], int]] = field(default_factory=dict)
+
+    def new_group(self, ranks: list[int]) -> Any:
+        """``dist.new_group(ranks)`` with this mesh's timeout (collective over the default group)."""
+        return dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
 
 
 @dataclass
@@ -210,9 +226,13 @@ class SeqParMesh:
         *,
         world_size: int | None = None,
         rank: int | None = None,
+        fault_timeout_s: float | None = None,
     ) -> SeqParMesh:
         """Create every process group (collective over the default group); the settings are the defaults
-        of a section with these sizes (USP, zigzag, p2p ring with overlap, kernel auto)."""
+        of a section with these sizes (USP, zigzag, p2p ring with overlap, kernel auto).
+
+        Every group gets ``fault_timeout_s`` as its timeout (None: the default group's own timeout, so a
+        mesh never waits longer than the world's collectives do); ``settings.fault_timeout_s`` holds it."""
         if not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised; call deepspeed.init_distributed() (or "
@@ -222,8 +242,10 @@ class SeqParMesh:
         rank = dist.get_rank() if rank is None else rank
         plan = plan_mesh(world_size, sp_size, ulysses_size, ring_inner_size)
         inner = None if plan.ring_inner_size == plan.ring_size else plan.ring_inner_size
-        settings = resolve_settings(_sizes_section(sp_size, ulysses_size, inner), None, world_size)
-        return cls(plan, plan.coords(rank), _create_groups(plan, rank), settings)
+        timeout = group_timeout_s() if fault_timeout_s is None else fault_timeout_s
+        section = _sizes_section(sp_size, ulysses_size, inner, timeout)
+        settings = resolve_settings(section, None, world_size)
+        return cls(plan, plan.coords(rank), _create_groups(plan, rank, settings.fault_timeout_s), settings)
 
     @classmethod
     def from_config(
@@ -234,7 +256,7 @@ class SeqParMesh:
         section = parse_section(config) if isinstance(config, dict) else config
         world = dist.get_world_size() if dist.is_initialized() else None
         settings = section.validate(model_config, world)
-        mesh = cls.build(*_mesh_sizes(settings))
+        mesh = cls.build(*_mesh_sizes(settings), fault_timeout_s=settings.fault_timeout_s)
         return mesh.with_settings(settings) if settings.enabled else mesh
 
     def with_section(
@@ -300,7 +322,8 @@ class SeqParMesh:
         """The process group of the part of ``parts`` (lists of ring ranks partitioning the ring) that holds
         this rank: ``(group, global member ranks in part order, this rank's index)``. Collective the first
         time a name is asked for: every rank creates the groups of every ring (all dp and Ulysses indices)
-        in the same order; cached with the mesh's groups (StarTrail teams, ATTENTION2D rows and columns)."""
+        in the same order, with the mesh's groups' timeout; cached with the mesh's groups (StarTrail teams,
+        ATTENTION2D rows and columns)."""
         cache = self.groups.subgroups
         if name not in cache:
             p, mine = self.plan, None
@@ -308,7 +331,7 @@ class SeqParMesh:
                 for x in range(p.ulysses_size):
                     for part in parts:
                         ranks = [p.rank_of(d, q, x) for q in part]
-                        group = dist.new_group(ranks) if len(ranks) > 1 else None
+                        group = self.groups.new_group(ranks) if len(ranks) > 1 else None
                         if self.coords.rank in ranks:
                             mine = (group, ranks, ranks.index(self.coords.rank))
             if mine is None:
@@ -339,17 +362,29 @@ class SeqParMesh:
         )
 
 
-def _create_groups(plan: MeshPlan, rank: int) -> MeshGroups:
-    """Every process group of ``plan`` (collective over the world: every rank creates every group in order)."""
-    process_groups: dict[str, Any] = {}
-    members: dict[str, list[int]] = {}
+def _create_groups(plan: MeshPlan, rank: int, timeout_s: float) -> MeshGroups:
+    """Every process group of ``plan``, each with timeout ``timeout_s`` (collective over the world: every
+    rank creates every group in order); ``sp_dp`` is the default group."""
+    groups = MeshGroups({}, {}, timeout_s)
     for kind in GROUP_KINDS:
         for ranks in plan.groups(kind):
-            group = dist.group.WORLD if kind == "sp_dp" else dist.new_group(ranks)
+            group = dist.group.WORLD if kind == "sp_dp" else groups.new_group(ranks)
             if rank in ranks:
-                process_groups[kind] = group
-                members[kind] = ranks
-    return MeshGroups(process_groups, members)
+                groups.process_groups[kind] = group
+                groups.members[kind] = ranks
+    return groups
+
+
+def group_timeout_s(group: Any = None) -> float | None:
+    """The timeout, in seconds, a process group's backend waits for a peer (default: the default group);
+    None when torch does not expose it."""
+    group = dist.distributed_c10d._get_default_group() if group is None else group
+    for device in getattr(group, "_device_types", ()):
+        try:
+            return group._get_backend(device).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError):
+            continue
+    return None
 
 
 class DeepSpeedMPU:

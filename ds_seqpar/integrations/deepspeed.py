@@ -28,6 +28,7 @@ import contextlib
 import contextvars
 import functools
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,7 +41,7 @@ from ds_seqpar.data import seqpar_dataloader
 from ds_seqpar.integrations.causal_lm import SeqParCausalLM, SeqParMaskedLM
 from ds_seqpar.integrations.hf_model import objective_of, unwrap_hf_model
 from ds_seqpar.loss import sp_grad_scale
-from ds_seqpar.mesh import SeqParMesh
+from ds_seqpar.mesh import SeqParMesh, group_timeout_s
 
 _GUARD_BYPASS = "_ds_seqpar_initialize"
 
@@ -48,8 +49,13 @@ _GUARD_BYPASS = "_ds_seqpar_initialize"
 def init_distributed(timeout_s: float | None = None) -> None:
     """Initialise torch.distributed through DeepSpeed (gloo on CPU, NCCL on CUDA), once.
 
-    ``timeout_s`` (``sequence_parallel.fault_timeout_s``) bounds every collective's wait for a peer
-    that failed, died or hangs; an existing process group keeps its own timeout.
+    ``timeout_s`` (``sequence_parallel.fault_timeout_s``) is the default group's timeout: it bounds every
+    collective on it (ZeRO's gathers and reduce-scatters, the checkpoint barriers) and the rendezvous
+    store's waits; the mesh gives its own groups the same timeout. An existing process group keeps its own
+    timeout; a warning says so when it is longer. On NCCL the timeout is the watchdog's: by default a rank
+    whose collective times out is aborted by torch's watchdog (no ``StepFailed``); with
+    ``TORCH_NCCL_BLOCKING_WAIT=1`` the collective raises in Python instead, so ``StepWatch`` names the
+    rank at fault (docs/reliability.md "A failed, dead or hung rank is named, within a bounded time").
     """
     import datetime
     import warnings
@@ -68,6 +74,21 @@ def init_distributed(timeout_s: float | None = None) -> None:
     if not dist.is_initialized():
         kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", **kwargs)
+    elif timeout_s is not None:
+        _warn_longer_timeout(timeout_s)
+
+
+def _warn_longer_timeout(timeout_s: float) -> None:
+    """Warn when the existing default group waits longer than ``fault_timeout_s`` for a peer."""
+    existing = group_timeout_s()
+    if existing is not None and existing > timeout_s:
+        logging.getLogger("ds_seqpar").warning(
+            "torch.distributed was initialised before ds_seqpar with a timeout of %g s, longer than "
+            "sequence_parallel.fault_timeout_s=%g s: collectives on the default group (ZeRO's gathers, "
+            "checkpoint barriers) wait up to %g s for a failed peer; pass timeout=datetime.timedelta("
+            "seconds=%g) to init_process_group (HF Trainer: --ddp_timeout %g)",
+            existing, timeout_s, existing, timeout_s, timeout_s,
+        )  # fmt: skip
 
 
 def _avoid_jit_optimizer(ds_config: dict[str, Any]) -> None:
