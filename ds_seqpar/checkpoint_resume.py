@@ -7,7 +7,8 @@ answer is the *universal checkpoint*: ``deepspeed.checkpoint.ds_to_universal`` m
 fp32 weights and Adam moments into one full tensor per parameter, and an engine configured with
 ``"checkpoint": {"load_universal": true}`` re-partitions them over its own world when it loads.
 
-``prepare_resume`` (a collective; call it on every rank before ``ds_seqpar.initialize``) reads the
+``prepare_resume`` (a collective; call it on every rank before ``ds_seqpar.initialize``, with the tag
+``checkpoint_manifest.resume_tag`` chose) reads the
 saved world size from DeepSpeed's own file layout (one ``*_optim_states.pt`` per ZeRO partition),
 and when it differs from this run's, rank 0 converts the checkpoint with DeepSpeed's converter into
 ``<tag>_universal`` next to it while the other ranks wait; ``ResumePoint.configure`` then turns on
@@ -121,12 +122,6 @@ class ResumePoint:
         return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
 
 
-def latest_tag(ckpt_dir: str | os.PathLike[str]) -> str | None:
-    """The tag in DeepSpeed's ``latest`` file, or None when there is none."""
-    latest = Path(ckpt_dir) / "latest"
-    return latest.read_text().strip() if latest.is_file() else None
-
-
 def saved_world_size(tag_dir: str | os.PathLike[str]) -> int | None:
     """The number of ZeRO partitions a checkpoint was saved with (DeepSpeed writes one
     ``*_optim_states.pt`` per partition; ds_seqpar's mpu partitions over every rank), or None
@@ -184,9 +179,10 @@ def _say_on_rank0(text: str) -> None:
 
 
 def prepare_resume(
-    ckpt_dir: str | os.PathLike[str], say: Callable[[str], None] = _say_on_rank0
+    ckpt_dir: str | os.PathLike[str], tag: str, say: Callable[[str], None] = _say_on_rank0
 ) -> ResumePoint:
-    """Pick the checkpoint ``--resume`` loads; convert it to universal when the world size changed.
+    """How to load checkpoint ``tag`` (``checkpoint_manifest.resume_tag`` picks it); converted to universal
+    when the world size changed.
 
     A collective (call it on every rank, with the process group up): rank 0 converts while the
     others wait for its result, so a failed conversion raises on every rank instead of hanging.
@@ -195,9 +191,6 @@ def prepare_resume(
     import torch
     import torch.distributed as dist
 
-    tag = latest_tag(ckpt_dir)
-    if tag is None:
-        return ResumePoint(tag=None)
     saved = saved_world_size(Path(ckpt_dir) / tag)
     world = dist.get_world_size()
     if saved is None or saved == world:

@@ -249,7 +249,9 @@ def _check_numbers(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     if args.save_every < 0 or args.eval_every < 0 or args.eval_samples < 1:
         parser.error("--save-every and --eval-every must be >= 0 and --eval-samples >= 1")
     if args.max_bad_steps < 1:
-        parser.error(f"--max-bad-steps={args.max_bad_steps} must be >= 1 (consecutive bad steps that stop the run)")
+        parser.error(
+            f"--max-bad-steps={args.max_bad_steps} must be >= 1 (consecutive bad steps that stop the run)"
+        )
 
 
 def _phases(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[tuple[int, int]]:

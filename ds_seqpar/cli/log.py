@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from ds_seqpar.cli.health import finite_row
+
 __all__ = ["EVENT_PREFIX", "RunLog", "memory_metrics", "sparse_metrics"]
 
 EVENT_PREFIX = "ds_seqpar/"  # metrics.jsonl column X is the monitor event ds_seqpar/X
@@ -45,8 +47,8 @@ class RunLog:
 
     def record(self, row: dict[str, Any]) -> None:
         """Append ``row`` to metrics.jsonl and send its numbers to the monitor (rank 0)."""
-        if self.file is not None:
-            self.file.write(json.dumps(row) + "\n")
+        if self.file is not None:  # non-finite numbers as strings: every line stays valid JSON
+            self.file.write(json.dumps(finite_row(row), allow_nan=False) + "\n")
             self.file.flush()
         if self.engine is not None and self.rank == 0:
             samples = int(self.engine.global_samples)  # step x train_batch_size (DeepSpeed keeps a float)

@@ -28,10 +28,13 @@ from typing import Any
 
 import torch
 
+from ds_seqpar.checkpoint_resume import CLIENT_KEY, SampleHistory
 from ds_seqpar.cli.args import DEFAULT_TASK_LR, PASSKEYS, model_config, model_path, parse_args
 from ds_seqpar.cli.data import batches, datasets
+from ds_seqpar.cli.evaluation import EvenShares, evaluate
+from ds_seqpar.cli.health import StepHealth
 from ds_seqpar.cli.log import RunLog, memory_metrics, sparse_metrics
-from ds_seqpar.errors import MissingFileError
+from ds_seqpar.cli.run_dir import check_output_dir, training_flags
 
 __all__ = ["main", "max_seq_len_search", "memory_report"]
 
@@ -48,6 +51,7 @@ class _Run:
     eval_loader: Any
     loader_for: Any
     watch: Any
+    health: StepHealth
     ckpt_dir: Path
     start: int
     history: Any
@@ -55,6 +59,7 @@ class _Run:
     micro: int
     rank: int
     world: int
+    flags: dict[str, Any]  # training_flags: what a resume must keep (and the lr it honours)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -65,15 +70,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.max_seq_len_search is not None:
         best = max_seq_len_search(args, int(os.environ.get("WORLD_SIZE", str(args.section.size))))
         return {"max_seq_len": best}
+    check_output_dir(args)  # a run there is refused without --resume / --overwrite: before any process group
     run = _start(args)
     log = RunLog(args, run.rank, run.start, run.engine)
     _announce(args, run, log)
-    first = _evaluate(run.engine, run.eval_loader)
+    first = evaluate(run.engine, run.eval_loader, run.mesh)
     log.record({"step": run.start, **first})
     log.say(f"step {run.start}: eval loss {first['eval_loss']:.4f}, accuracy {first['eval_accuracy']:.3f}")
     step, last = _train(args, run, log, first)
+    if not run.health.healthy:  # the run ended inside a bad streak: neither saved nor exported
+        raise run.health.diverged()
     if run.start < args.max_steps:
-        run.engine.save_checkpoint(str(run.ckpt_dir), tag=f"step{step}", client_state=_ckpt_state(run, step))
+        _save(run, step)
     if not args.no_export:
         _export(run.engine, run.model, run.tokenizer, Path(args.output_dir) / "hf_model", run.rank)
     run.watch.close()
@@ -106,12 +114,13 @@ def _start(args: argparse.Namespace) -> _Run:
     from transformers import AutoTokenizer
 
     import ds_seqpar
-    from ds_seqpar.checkpoint_resume import SampleHistory, prepare_resume, resumed_history
     from ds_seqpar.comm.step_watch import StepWatch
     from ds_seqpar.integrations.deepspeed import init_distributed
 
     init_distributed(args.settings.fault_timeout_s)
     rank, out_dir = dist.get_rank(), Path(args.output_dir)
+    if args.overwrite:
+        _move_old_run(out_dir, rank)
     tokenizer = AutoTokenizer.from_pretrained(model_path(args), trust_remote_code=args.trust_remote_code)
     model = _build_model(args)
     ds_config, lr = _ds_config(args)
@@ -122,8 +131,7 @@ def _start(args: argparse.Namespace) -> _Run:
     if "optimizer" not in ds_config:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr or 1e-4, weight_decay=0.0)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    # --resume on another world size: rank 0 converts the checkpoint to DeepSpeed's universal format
-    resume = prepare_resume(out_dir / "checkpoints") if args.resume else None
+    resume = _resume_point(out_dir / "checkpoints") if args.resume else None
     if resume is not None:
         ds_config = resume.configure(ds_config)
     engine, _, _, _ = ds_seqpar.initialize(model=model, config=ds_config, optimizer=optimizer)
@@ -135,28 +143,123 @@ def _start(args: argparse.Namespace) -> _Run:
             objective=engine.module.objective,
         )  # fmt: skip
 
-    eval_loader = loader_for(eval_set, shuffle=False, drop_last=False)
+    eval_loader = loader_for(EvenShares(eval_set, mesh.dp_size), shuffle=False, drop_last=False)
     watch = StepWatch()  # a failed, dead or hung rank is named with its step instead of a bare comm error
-    ckpt_dir, start = out_dir / "checkpoints", 0
-    history = SampleHistory.fresh(micro * dp)  # samples per step over the run, for the data position
+    flags = {**training_flags(args, ds_config.get("scheduler")), "lr": _configured_lr(ds_config, lr)}
+    run = _Run(engine, mesh, model, tokenizer, train_sets, eval_loader, loader_for, watch,
+               StepHealth(args.max_bad_steps, _lr_of(engine)), out_dir / "checkpoints", 0,
+               SampleHistory.fresh(micro * dp), dp, micro, rank, dist.get_world_size(), flags)  # fmt: skip
     if resume is not None:
-        path, client = engine.load_checkpoint(str(ckpt_dir), tag=resume.tag)
-        if path is None:
-            raise MissingFileError(f"--resume: no checkpoint under {ckpt_dir}; run without --resume first")
-        start = int(client["step"])
-        history = resumed_history(client, start, micro * dp)
-        if args.data is None and history.samples(0, args.max_steps) > args.max_steps * micro * dp:
-            train_sets, _ = datasets(args, tokenizer, num_train=history.samples(0, args.max_steps))
-    world = dist.get_world_size()
-    return _Run(engine, mesh, model, tokenizer, train_sets, eval_loader, loader_for, watch, ckpt_dir, start,
-                history, dp, micro, rank, world)  # fmt: skip
+        _load(args, run, resume, tokenizer)
+    return run
 
 
-def _ckpt_state(run: _Run, at: int) -> dict[str, Any]:
+def _configured_lr(ds_config: dict[str, Any], lr: float | None) -> float | None:
+    """The lr this run asks for: ``--lr`` (or the embedded task's), else the config optimizer's."""
+    if lr is not None:
+        return lr
+    params = (
+        ds_config.get("optimizer", {}).get("params", {})
+        if isinstance(ds_config.get("optimizer"), dict)
+        else {}
+    )
+    return float(params["lr"]) if "lr" in params else None
+
+
+def _lr_of(engine: Any) -> float:
+    return float(engine.optimizer.param_groups[0]["lr"])
+
+
+def _apply_lr(run: _Run, saved_lr: float | None, tag: str) -> None:
+    """This run's lr (``--lr`` or the config's), not the one the loaded optimizer state carries; refused by
+    name when an lr scheduler (resumed with its state) would override it."""
+    from ds_seqpar.errors import SeqParConfigError
+
+    lr, loaded = run.flags["lr"], _lr_of(run.engine)
+    if lr is None or (saved_lr is not None and lr == saved_lr and run.engine.lr_scheduler is not None):
+        return
+    if run.engine.lr_scheduler is not None:
+        raise SeqParConfigError(
+            f"--resume from {tag}: the lr changes ({saved_lr!r} -> {lr:g}), but the lr scheduler's state is resumed "
+            "and sets the lr itself: resume with the checkpoint's lr, or change the scheduler's params in a new run"
+        )
+    for group in run.engine.optimizer.param_groups:
+        group["lr"] = lr
+    if loaded != lr:
+        print(f"resume: lr {lr:g} (the checkpoint's optimizer state had {loaded:g})", flush=True)
+    run.health.lr = lr
+
+
+def _move_old_run(out_dir: Path, rank: int) -> None:
+    """``--overwrite``: rank 0 moves the old run aside while the others wait."""
+    import torch.distributed as dist
+
+    from ds_seqpar.cli.run_dir import move_aside
+
+    if rank == 0:
+        moved = move_aside(out_dir)
+        if moved is not None:
+            print(f"--overwrite: the previous run in {out_dir} was moved to {moved}", flush=True)
+    dist.barrier()
+
+
+def _resume_point(ckpt_dir: Path) -> Any:
+    """The newest complete checkpoint (verified against its manifest) and how to load it."""
+    from ds_seqpar.checkpoint_manifest import CheckpointError, resume_tag
+    from ds_seqpar.checkpoint_resume import prepare_resume
+
+    choice = resume_tag(ckpt_dir)
+    if choice.tag is None:
+        tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir()) if ckpt_dir.is_dir() else []
+        raise CheckpointError(
+            f"--resume: no checkpoint to resume under {ckpt_dir} (no tag with a ds_seqpar manifest and no 'latest'; "
+            f"directories there: {', '.join(tags) or 'none'}); start a new run with --overwrite"
+        )
+    return prepare_resume(ckpt_dir, choice.tag)
+
+
+def _load(args: argparse.Namespace, run: _Run, resume: Any, tokenizer: Any) -> None:
+    """Load ``resume`` into the engine; continue the sample history and the metrics; apply this run's lr."""
+    from ds_seqpar.checkpoint_manifest import CheckpointError
+    from ds_seqpar.checkpoint_resume import resumed_history
+    from ds_seqpar.cli.run_dir import check_resumed_flags, truncate_metrics
+
+    try:
+        path, client = run.engine.load_checkpoint(str(run.ckpt_dir), tag=resume.tag)
+    except (OSError, RuntimeError, EOFError, ValueError) as exc:
+        raise CheckpointError(
+            f"--resume: loading checkpoint {run.ckpt_dir / resume.tag} failed ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:300]}); restore its files or start a new run with --overwrite"
+        ) from exc
+    if path is None:
+        raise CheckpointError(f"--resume: DeepSpeed found no checkpoint {resume.tag!r} under {run.ckpt_dir}")
+    run.start = int(client["step"])
+    saved = dict(client.get(CLIENT_KEY, {}).get("training_flags") or {}) or None
+    saved_lr = saved.pop("lr", None) if saved else None
+    check_resumed_flags(saved, {k: v for k, v in run.flags.items() if k != "lr"}, resume.tag)
+    _apply_lr(run, saved_lr, resume.tag)
+    run.history = resumed_history(client, run.start, run.micro * run.dp)
+    if args.data is None and run.history.samples(0, args.max_steps) > args.max_steps * run.micro * run.dp:
+        run.train_sets, _ = datasets(args, tokenizer, num_train=run.history.samples(0, args.max_steps))
+    if run.rank == 0:
+        dropped = truncate_metrics(Path(args.output_dir) / "metrics.jsonl", run.start)
+        if dropped:
+            print(
+                f"resume: metrics.jsonl: {dropped} rows after step {run.start} dropped (trained again)",
+                flush=True,
+            )
+
+
+def _save(run: _Run, step: int) -> None:
+    """Checkpoint ``step{step}``: visible and ``latest`` only once every rank's files are complete and hashed."""
+    from ds_seqpar.checkpoint_manifest import save_verified
     from ds_seqpar.checkpoint_resume import client_state
 
     shape = {"world_size": run.world, "dp_size": run.dp, "sp_size": run.mesh.sp_size}
-    return client_state(at, run.history, micro_batch=run.micro, **shape)
+    state = client_state(step, run.history, micro_batch=run.micro, **shape)
+    state[CLIENT_KEY]["training_flags"] = run.flags
+    with run.watch.step(step, what="checkpoint save"):
+        save_verified(run.engine, run.ckpt_dir, f"step{step}", state, step)
 
 
 def _announce(args: argparse.Namespace, run: _Run, log: RunLog) -> None:
@@ -187,13 +290,17 @@ def _train(args: argparse.Namespace, run: _Run, log: RunLog, first: dict[str, fl
             stream = batches(run.loader_for(dataset, shuffle=args.data is not None), skip=skip)
         while step < phase_end:
             step = _step(run, log, next(stream), step)
-            if args.save_every and step % args.save_every == 0 and step < args.max_steps:
-                run.engine.save_checkpoint(
-                    str(run.ckpt_dir), tag=f"step{step}", client_state=_ckpt_state(run, step)
-                )
+            if (
+                args.save_every
+                and step % args.save_every == 0
+                and step < args.max_steps
+                and run.health.healthy
+            ):
+                _save(run, step)
             if (args.eval_every and step % args.eval_every == 0) or step == args.max_steps:
-                last = _evaluate(run.engine, run.eval_loader)
+                last = evaluate(run.engine, run.eval_loader, run.mesh)
                 log.record({"step": step, **last})
+                run.health.check_eval(step, last)
                 log.say(
                     f"step {step}: eval loss {last['eval_loss']:.4f}, accuracy {last['eval_accuracy']:.3f}"
                 )
@@ -206,16 +313,23 @@ def _step(run: _Run, log: RunLog, batch: dict[str, Any], step: int) -> int:
     engine = run.engine
     engine.module.step = step  # sparse.dense_warmup_steps counts optimizer steps
     t0 = time.perf_counter()
+    skipped = engine.skipped_steps
     with run.watch.step(step + 1), run.mesh.comm_stats.measure() as comm:
         loss = engine(**batch)
         engine.backward(loss)
         engine.step()
+        value = loss.item()
+        verdict = run.health.reduce(
+            value, float(engine.module.last_num_tokens), engine.skipped_steps > skipped
+        )
     dt = time.perf_counter() - t0
+    run.health.judge(step + 1, verdict, batch["seq_len"])  # the same on every rank: all raise together
     tokens = batch["seq_len"] * batch["input_ids"].shape[0] * run.dp
     log.step(
         {
             "step": step + 1,
-            "loss": loss.item(),
+            "loss": value,
+            "lr": _lr_of(engine),
             "tokens_per_s": tokens / dt,
             "seq_len": batch["seq_len"],
             "comm_MiB": comm.total_bytes / 2**20,
@@ -306,18 +420,6 @@ def _build_model(args: argparse.Namespace) -> torch.nn.Module:
     return auto.from_pretrained(
         args.model, config=config, trust_remote_code=args.trust_remote_code, dtype=torch.float32
     )
-
-
-def _evaluate(engine: Any, loader: Any) -> dict[str, float]:
-    """Token-weighted eval loss and accuracy over ``loader`` (the engine back in train mode after)."""
-    engine.eval()
-    totals = torch.zeros(3)
-    for batch in loader:
-        res = engine.module.evaluate(**batch)
-        totals += torch.stack([res["loss"] * res["count"], res["correct"], res["count"]]).cpu()
-    engine.train()
-    count = max(totals[2].item(), 1.0)
-    return {"eval_loss": totals[0].item() / count, "eval_accuracy": totals[1].item() / count}
 
 
 def _export(engine: Any, model: torch.nn.Module, tokenizer: Any, out_dir: Path, rank: int) -> None:

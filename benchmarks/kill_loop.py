@@ -1,0 +1,173 @@
+"""Kill loop: SIGKILL the whole ``train.py`` job at random moments, resume, and check nothing was lost.
+
+For each ZeRO stage: one uninterrupted run gives the reference losses; then cycles of (a fresh run with
+``--overwrite``, then ``--resume`` after every kill) until ``--kills`` kills have landed. A kill lands at
+a time drawn uniformly between (0.8 x) the reference run's first step and its end, so it hits steps
+and saves. After every
+kill the script checks that ``latest`` names a complete checkpoint (its manifest verified, file by file)
+and that no ``.partial`` save is visible as a tag; the next launch is ``--resume`` when a complete tag
+exists, else ``--overwrite``. Each cycle runs until the job finishes; its ``metrics.jsonl`` must then hold
+one row per step with the reference's losses, bit for bit.
+
+    python benchmarks/kill_loop.py --kills 20 --stages 2 3
+
+Writes ``benchmarks/results/kill_loop.json`` and ``.md`` (one row per launch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import save_results  # noqa: E402
+from ds_seqpar.checkpoint_manifest import verify_tag  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(out: Path, stage: int) -> Path:
+    config = json.loads((ROOT / "ds_configs" / "usp_zero3.json").read_text())
+    config["sequence_parallel"]["size"] = 2
+    config["zero_optimization"] = {"stage": stage}
+    path = out / f"zero{stage}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _launch(config: Path, run_dir: Path, steps: int, extra: list[str], log: Path) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+        str(ROOT / "train.py"), "--ds_config", str(config), "--seq-len", "192", "--curriculum", "none",
+        "--max-steps", str(steps), "--save-every", "2", "--eval-every", "0", "--eval-samples", "1",
+        "--no-progress", "--no-export", "--output-dir", str(run_dir), *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    steps = [s for s, _ in losses]
+    if len(steps) != len(set(steps)):
+        raise AssertionError(f"{run_dir}/metrics.jsonl has a step twice: {steps}")
+    return dict(losses)
+
+
+def _state_after_kill(ckpt: Path) -> tuple[str | None, list[str]]:
+    """``latest``'s tag and what is wrong with it (it must be complete), and any half save left visible."""
+    latest = ckpt / "latest"
+    tag = latest.read_text().strip() if latest.is_file() else None
+    problems = verify_tag(ckpt / tag) if tag else []
+    return tag, problems
+
+
+def _timed_reference(config: Path, run_dir: Path, steps: int, log: Path) -> tuple[float, float]:
+    """Run the reference; returns (seconds until its first step row, seconds until it ended)."""
+    t0 = time.perf_counter()
+    proc = _launch(config, run_dir, steps, ["--overwrite"], log)
+    first = None
+    while proc.poll() is None:
+        metrics = run_dir / "metrics.jsonl"
+        if first is None and metrics.is_file() and '"loss"' in metrics.read_text():
+            first = time.perf_counter() - t0
+        time.sleep(0.2)
+    if proc.returncode != 0:
+        raise SystemExit(f"the reference run failed: see {log}")
+    duration = time.perf_counter() - t0
+    return (first if first is not None else 0.5 * duration), duration
+
+
+def _stage(stage: int, kills: int, steps: int, out: Path, rng: random.Random) -> list[dict]:
+    config = _config(out, stage)
+    ref_dir = out / f"zero{stage}_reference"
+    first_step, duration = _timed_reference(config, ref_dir, steps, out / f"zero{stage}_reference.log")
+    reference = _losses(ref_dir)
+    rows, landed, cycle, launch = [], 0, 0, 0
+    run_dir = out / f"zero{stage}_killed"
+    while landed < kills:
+        cycle += 1
+        flags = ["--overwrite"]
+        while True:
+            launch += 1
+            log = out / f"zero{stage}_launch{launch}.log"
+            proc = _launch(config, run_dir, steps, flags, log)
+            # over the steps and saves (start-up is most of a launch); none once enough kills landed
+            at = rng.uniform(0.8 * first_step, duration) if landed < kills else None
+            try:
+                rc = proc.wait(timeout=at)
+                killed = False
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc, killed = -9, True
+                landed += 1
+            ckpt = run_dir / "checkpoints"
+            tag, problems = _state_after_kill(ckpt)
+            partial = sorted(p.name for p in ckpt.glob("*.partial")) if ckpt.is_dir() else []
+            row = {"stage": stage, "cycle": cycle, "launch": launch, "mode": flags[0], "killed_at_s": at or 0.0,
+                   "killed": killed, "rc": rc, "latest": tag or "-", "latest_ok": not problems,
+                   "partial_left": ",".join(partial) or "-"}  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if problems:
+                raise AssertionError(f"after launch {launch}: latest={tag} is incomplete: {problems}")
+            if not killed and rc != 0:
+                raise AssertionError(f"launch {launch} ({flags[0]}) failed with rc {rc}: see {log}")
+            if not killed:
+                got = _losses(run_dir)
+                if got != reference:
+                    raise AssertionError(f"cycle {cycle}: losses {got} differ from the reference {reference}")
+                row["equal_to_reference"] = True
+                break
+            flags = ["--resume"] if tag else ["--overwrite"]
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kills", type=int, default=20, help="kills per ZeRO stage")
+    p.add_argument("--stages", type=int, nargs="+", default=[2, 3])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(ROOT / "outputs" / "kill_loop"))
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    rows = []
+    for stage in args.stages:
+        rows += _stage(stage, args.kills, args.steps, out, rng)
+    kills = [r for r in rows if r["killed"]]
+    in_save = sum(1 for r in kills if r["partial_left"] != "-")
+    cycles = {(r["stage"], r["cycle"]) for r in rows if r.get("equal_to_reference")}
+    meta = {"kills": len(kills), "kills_during_a_save": in_save, "cycles_equal_to_reference": len(cycles),
+            "launches": len(rows), "steps": args.steps, "stages": args.stages}  # fmt: skip
+    columns = [("stage", "stage", "d"), ("cycle", "cycle", "d"), ("launch", "launch", "d"), ("mode", "mode", "s"),
+               ("killed at s", "killed_at_s", ".1f"), ("killed", "killed", ""), ("rc", "rc", "d"),
+               ("latest", "latest", "s"), ("latest complete", "latest_ok", ""), ("half save left", "partial_left", "s")]  # fmt: skip
+    title = (f"# Kill loop: {len(kills)} SIGKILLs of the whole job (ZeRO {args.stages}), {in_save} during a save; "
+             f"every cycle ({len(cycles)}) resumed to the reference's losses bit for bit")  # fmt: skip
+    print(save_results("kill_loop", title, meta, rows, columns))
+
+
+if __name__ == "__main__":
+    main()
