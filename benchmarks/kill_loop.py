@@ -2,8 +2,8 @@
 
 For each ZeRO stage: one uninterrupted run gives the reference losses; then cycles of (a fresh run with
 ``--overwrite``, then ``--resume`` after every kill) until ``--kills`` kills have landed. A kill lands at
-a time drawn uniformly between (0.8 x) the reference run's first step and its end, so it hits steps
-and saves. After every
+a time drawn uniformly over the reference run's time from its first step to its last line, counted
+from the launch's own first step (start-up varies with the machine's load), so it hits steps and saves. After every
 kill the script checks that ``latest`` names a complete checkpoint (its manifest verified, file by file)
 and that no ``.partial`` save is visible as a tag; the next launch is ``--resume`` when a complete tag
 exists, else ``--overwrite``. Each cycle runs until the job finishes; its ``metrics.jsonl`` must then hold
@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -80,26 +81,42 @@ def _state_after_kill(ckpt: Path) -> tuple[str | None, list[str]]:
     return tag, problems
 
 
-def _timed_reference(config: Path, run_dir: Path, steps: int, log: Path) -> tuple[float, float]:
-    """Run the reference; returns (seconds until its first step row, seconds until it ended)."""
-    t0 = time.perf_counter()
-    proc = _launch(config, run_dir, steps, ["--overwrite"], log)
-    first = None
+def _wait(proc: subprocess.Popen, log: Path, after_s: float | None) -> int:
+    """The launch's exit code; raises ``TimeoutExpired`` ``after_s`` seconds after the launch printed its
+    first step line (``step N: loss ...``, rank 0 with --no-progress)."""
+    if after_s is None:
+        return proc.wait()
     while proc.poll() is None:
-        metrics = run_dir / "metrics.jsonl"
-        if first is None and metrics.is_file() and '"loss"' in metrics.read_text():
-            first = time.perf_counter() - t0
-        time.sleep(0.2)
-    if proc.returncode != 0:
+        if re.search(r"^step \d+: loss", log.read_text(errors="replace"), flags=re.M):
+            return proc.wait(timeout=after_s)
+        time.sleep(0.05)
+    return proc.returncode
+
+
+def _timed_reference(config: Path, run_dir: Path, steps: int, log: Path) -> float:
+    """Run the reference; returns the seconds from its first step line to its ``done:`` line (its steps,
+    saves and evaluations: the window the kills are drawn from)."""
+    proc = _launch(config, run_dir, steps, ["--overwrite"], log)
+    first = done = None
+    while proc.poll() is None or done is None:
+        text = log.read_text(errors="replace")
+        now = time.perf_counter()
+        if first is None and re.search(r"^step \d+: loss", text, flags=re.M):
+            first = now
+        if done is None and re.search(r"^done: ", text, flags=re.M):
+            done = now
+        if proc.poll() is not None and done is None:
+            break
+        time.sleep(0.05)
+    if proc.wait() != 0 or first is None or done is None:
         raise SystemExit(f"the reference run failed: see {log}")
-    duration = time.perf_counter() - t0
-    return (first if first is not None else 0.5 * duration), duration
+    return done - first
 
 
 def _stage(stage: int, kills: int, steps: int, out: Path, rng: random.Random) -> list[dict]:
     config = _config(out, stage)
     ref_dir = out / f"zero{stage}_reference"
-    first_step, duration = _timed_reference(config, ref_dir, steps, out / f"zero{stage}_reference.log")
+    window = _timed_reference(config, ref_dir, steps, out / f"zero{stage}_reference.log")
     reference = _losses(ref_dir)
     rows, landed, cycle, launch = [], 0, 0, 0
     run_dir = out / f"zero{stage}_killed"
@@ -110,10 +127,11 @@ def _stage(stage: int, kills: int, steps: int, out: Path, rng: random.Random) ->
             launch += 1
             log = out / f"zero{stage}_launch{launch}.log"
             proc = _launch(config, run_dir, steps, flags, log)
-            # over the steps and saves (start-up is most of a launch); none once enough kills landed
-            at = rng.uniform(0.8 * first_step, duration) if landed < kills else None
+            # after this launch's first step, over the reference's steps and saves (start-up, most of a launch,
+            # varies with the machine's load); none once enough kills landed
+            at = rng.uniform(0.0, window) if landed < kills else None
             try:
-                rc = proc.wait(timeout=at)
+                rc = _wait(proc, log, at)
                 killed = False
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -146,7 +164,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kills", type=int, default=20, help="kills per ZeRO stage")
     p.add_argument("--stages", type=int, nargs="+", default=[2, 3])
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "outputs" / "kill_loop"))
     args = p.parse_args()
@@ -162,7 +180,7 @@ def main() -> None:
     meta = {"kills": len(kills), "kills_during_a_save": in_save, "cycles_equal_to_reference": len(cycles),
             "launches": len(rows), "steps": args.steps, "stages": args.stages}  # fmt: skip
     columns = [("stage", "stage", "d"), ("cycle", "cycle", "d"), ("launch", "launch", "d"), ("mode", "mode", "s"),
-               ("killed at s", "killed_at_s", ".1f"), ("killed", "killed", ""), ("rc", "rc", "d"),
+               ("kill s after 1st step", "killed_at_s", ".1f"), ("killed", "killed", ""), ("rc", "rc", "d"),
                ("latest", "latest", "s"), ("latest complete", "latest_ok", ""), ("half save left", "partial_left", "s")]  # fmt: skip
     title = (f"# Kill loop: {len(kills)} SIGKILLs of the whole job (ZeRO {args.stages}), {in_save} during a save; "
              f"every cycle ({len(cycles)}) resumed to the reference's losses bit for bit")  # fmt: skip

@@ -205,3 +205,15 @@ def test_evaluation_over_data_parallel_replicas_equals_one_replica(dist_pool, tm
         first[sp] = rows[0]
     assert abs(first[1]["eval_loss"] - first[2]["eval_loss"]) <= 1e-6, first
     assert first[1]["eval_accuracy"] == first[2]["eval_accuracy"], first
+
+
+def test_a_failed_save_names_the_directory_and_the_cause(tmp_path):
+    from ds_seqpar.checkpoint_manifest import _save_error
+
+    full = _save_error(OSError(28, "No space left on device"), tmp_path / "checkpoints", "step4")
+    assert "checkpoint step4: no space left on the device of" in str(full) and "another --output-dir" in str(
+        full
+    )
+    assert "step4.partial" in str(full) and "never becomes 'latest'" in str(full)
+    denied = _save_error(PermissionError(13, "Permission denied"), tmp_path / "checkpoints", "step4")
+    assert f"cannot write to {tmp_path / 'checkpoints'}" in str(denied)
