@@ -258,7 +258,10 @@ def test_node_map_and_classify():
         (lambda: peer_bytes("startrail", MHA, 8, 0, backward=False, team_size=None), r"C=None"),
         (lambda: peer_bytes("attention2d", MHA, 8, 0, backward=False, grid=(2, 3)), r"grid=\(2, 3\).*R=8"),
         (lambda: peer_bytes("tasp", MHA, 4, 0, backward=False), r"d=4 .*valid for R=4: \[2\]"),
-        (lambda: peer_bytes("tasp", MHA, 12, 0, backward=False, inner=6), r"d=6 .*valid for R=12: \[2, 3, 12\] \(nearest: 3\)"),
+        (
+            lambda: peer_bytes("tasp", MHA, 12, 0, backward=False, inner=6),
+            r"d=6 .*valid for R=12: \[2, 3, 12\] \(nearest: 3\)",
+        ),
         (lambda: peer_bytes("p2p", MHA, 8, 0, backward=False, inner=3), r"inner=3 .*R=8"),
         (lambda: peer_bytes("tasp", MHA, 5, 0, backward=False, segments=11), r"segments=11"),
         (lambda: peer_bytes("ring", MHA, 8, 0, backward=False), r"schedule='ring'"),
