@@ -55,12 +55,13 @@ class CheckpointError(SeqParConfigError):
     """A checkpoint cannot be written or read; the message names the tag, the file and the fix."""
 
 
-def _say_on_rank0(text: str) -> None:
+def say_on_rank0(text: str) -> None:
+    """Print on rank 0 (or without a process group)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(text, flush=True)
 
 
-def _object_device() -> torch.device | None:
+def object_device() -> torch.device | None:
     """NCCL moves objects through this rank's GPU (set here: resume runs before the engine exists)."""
     if dist.get_backend() != "nccl":
         return None
@@ -72,7 +73,7 @@ def _object_device() -> torch.device | None:
 def _gather(obj: Any) -> list[Any]:
     """``obj`` of every rank, in rank order (one all-gather of pickled objects)."""
     out: list[Any] = [None] * dist.get_world_size()
-    _object_device()
+    object_device()
     dist.all_gather_object(out, obj)
     return out
 
@@ -237,7 +238,7 @@ def verify_tag(tag_dir: str | os.PathLike[str]) -> list[str]:
     return _problems_in_share(Path(tag_dir), 0, 1)
 
 
-def resume_tag(ckpt_dir: str | os.PathLike[str], say: Callable[[str], None] = _say_on_rank0) -> ResumeChoice:
+def resume_tag(ckpt_dir: str | os.PathLike[str], say: Callable[[str], None] = say_on_rank0) -> ResumeChoice:
     """The newest complete checkpoint under ``ckpt_dir`` (module docstring). A collective: every rank."""
     ckpt_dir = Path(ckpt_dir)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ds_seqpar.checkpoint_manifest import object_device, say_on_rank0
 from ds_seqpar.config import SeqParConfigError
 
 UNIVERSAL_SUFFIX = "_universal"
@@ -171,15 +172,8 @@ def convert_to_universal(
     return time.perf_counter() - t0
 
 
-def _say_on_rank0(text: str) -> None:
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(text, flush=True)
-
-
 def prepare_resume(
-    ckpt_dir: str | os.PathLike[str], tag: str, say: Callable[[str], None] = _say_on_rank0
+    ckpt_dir: str | os.PathLike[str], tag: str, say: Callable[[str], None] = say_on_rank0
 ) -> ResumePoint:
     """How to load checkpoint ``tag`` (``checkpoint_manifest.resume_tag`` picks it); converted to universal
     when the world size changed.
@@ -188,7 +182,6 @@ def prepare_resume(
     others wait for its result, so a failed conversion raises on every rank instead of hanging.
     An existing ``<tag>_universal`` is reused.
     """
-    import torch
     import torch.distributed as dist
 
     saved = saved_world_size(Path(ckpt_dir) / tag)
@@ -205,10 +198,7 @@ def prepare_resume(
                 outcome[0] = ("converted", convert_to_universal(Path(ckpt_dir) / tag, target))
         except Exception as exc:  # reported on every rank below
             outcome[0] = ("error", f"{type(exc).__name__}: {exc}")
-    # NCCL sends objects through a GPU: this rank's (before the engine exists, none is set yet)
-    nccl = dist.get_backend() == "nccl"
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if nccl else None
-    dist.broadcast_object_list(outcome, src=0, device=device)
+    dist.broadcast_object_list(outcome, src=0, device=object_device())
     kind, detail = outcome[0]
     if kind == "error":
         raise SeqParConfigError(
@@ -245,7 +235,7 @@ def client_state(
 
 
 def resumed_history(
-    client: dict[str, Any], step: int, samples_per_step: int, say: Callable[[str], None] = _say_on_rank0
+    client: dict[str, Any], step: int, samples_per_step: int, say: Callable[[str], None] = say_on_rank0
 ) -> SampleHistory:
     """The sample history of a run resumed at ``step`` from ``client`` (a loaded client state),
     continued with this run's ``samples_per_step``. Checkpoints of older ``train.py`` versions carry no

@@ -235,7 +235,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.settings = section.validate(config, world)  # heads vs U, world vs size: before any process group
     _check_train_batch(ds_config, args.ds_config, world // args.settings.size)
     _check_monitor(ds_config, args.ds_config, args.output_dir)
-    args.section, args.ds_config_dict = section, ds_config
+    args.section, args.ds_config_dict, args.tokenizer = section, ds_config, tokenizer
     args.data_tokens = _data_tokens(args, tokenizer) if training and args.data is not None else None
     return args
 

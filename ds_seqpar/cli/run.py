@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ds_seqpar.checkpoint_resume import CLIENT_KEY, SampleHistory
-from ds_seqpar.cli.args import DEFAULT_TASK_LR, PASSKEYS, model_config, model_path, parse_args
+from ds_seqpar.cli.args import DEFAULT_TASK_LR, PASSKEYS, model_config, parse_args
 from ds_seqpar.cli.data import batches, datasets
 from ds_seqpar.cli.evaluation import EvenShares, evaluate
 from ds_seqpar.cli.health import StepHealth
@@ -111,7 +111,6 @@ def _ds_config(args: argparse.Namespace) -> tuple[dict[str, Any], float | None]:
 def _start(args: argparse.Namespace) -> _Run:
     """torch.distributed, tokenizer, model, data, the DeepSpeed engine (resumed with --resume) and loaders."""
     import torch.distributed as dist
-    from transformers import AutoTokenizer
 
     import ds_seqpar
     from ds_seqpar.comm.step_watch import StepWatch
@@ -121,7 +120,7 @@ def _start(args: argparse.Namespace) -> _Run:
     rank, out_dir = dist.get_rank(), Path(args.output_dir)
     if args.overwrite:
         _move_old_run(out_dir, rank)
-    tokenizer = AutoTokenizer.from_pretrained(model_path(args), trust_remote_code=args.trust_remote_code)
+    tokenizer = args.tokenizer  # loaded (and checked) by parse_args
     model = _build_model(args)
     ds_config, lr = _ds_config(args)
     dp = dist.get_world_size() // args.section.size
@@ -176,9 +175,11 @@ def _apply_lr(run: _Run, saved_lr: float | None, tag: str) -> None:
     from ds_seqpar.errors import SeqParConfigError
 
     lr, loaded = run.flags["lr"], _lr_of(run.engine)
-    if lr is None or (saved_lr is not None and lr == saved_lr and run.engine.lr_scheduler is not None):
+    if lr is None:
         return
     if run.engine.lr_scheduler is not None:
+        if saved_lr is None or lr == saved_lr:
+            return
         raise SeqParConfigError(
             f"--resume from {tag}: the lr changes ({saved_lr!r} -> {lr:g}), but the lr scheduler's state is resumed "
             "and sets the lr itself: resume with the checkpoint's lr, or change the scheduler's params in a new run"

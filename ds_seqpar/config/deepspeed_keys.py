@@ -21,10 +21,11 @@ from __future__ import annotations
 import difflib
 import functools
 import logging
-from typing import Any, get_args
+from typing import Any
 
 from pydantic import AliasChoices, BaseModel
 
+from ds_seqpar.config.messages import submodel
 from ds_seqpar.config.section import SECTION
 from ds_seqpar.errors import SeqParConfigError
 
@@ -138,20 +139,10 @@ def model_keys(model: type[BaseModel]) -> dict[str, type[BaseModel] | None]:
     """The keys a pydantic model accepts (field names and their aliases) -> the sub-model each holds."""
     keys: dict[str, type[BaseModel] | None] = {}
     for name, field in model.model_fields.items():
-        sub = _submodel(field.annotation)
+        sub = submodel(field.annotation)
         for key in (name, *_alias_names(field.alias), *_alias_names(field.validation_alias)):
             keys[key] = sub
     return keys
-
-
-def _submodel(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in get_args(annotation):
-        sub = _submodel(arg)
-        if sub is not None:
-            return sub
-    return None
 
 
 def _unknown(key: str, where: str, valid: list[str]) -> str:

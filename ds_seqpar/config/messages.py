@@ -23,17 +23,18 @@ def config_field_paths(model: type[BaseModel] = SequenceParallelConfig, prefix: 
     for name, field in model.model_fields.items():
         path = f"{prefix}.{name}"
         paths.append(path)
-        sub = _submodel(field.annotation)
+        sub = submodel(field.annotation)
         if sub is not None:
             paths.extend(config_field_paths(sub, path))
     return paths
 
 
-def _submodel(annotation: Any) -> type[BaseModel] | None:
+def submodel(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model a field's annotation holds (inside Optional / unions), or None."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     for arg in get_args(annotation):
-        sub = _submodel(arg)
+        sub = submodel(arg)
         if sub is not None:
             return sub
     return None
@@ -44,7 +45,7 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel]:
     model: type[BaseModel] = SequenceParallelConfig
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
-        sub = _submodel(field.annotation) if field is not None else None
+        sub = submodel(field.annotation) if field is not None else None
         if sub is None:
             break
         model = sub
@@ -102,7 +103,7 @@ def format_error(err: dict[str, Any]) -> str:
     if kind in {"bool_type", "bool_parsing"}:
         return f"{key}={bad!r} must be a boolean; valid: true, false"
     if kind in {"model_type", "dict_type", "model_attributes_type"}:
-        owner = _submodel(annotation) if annotation is not None else None
+        owner = submodel(annotation) if annotation is not None else None
         valid = _fmt_choices(list(owner.model_fields)) if owner else "an object"
         return f"{key}={bad!r} must be an object (JSON dict); valid keys: {valid}"
     return f"{key}={bad!r}: {err['msg']}"
