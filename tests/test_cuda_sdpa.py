@@ -126,7 +126,17 @@ def _flash_bwd(do, q, k, v, out, lse, cq, ck, mq, mk, p, is_causal, seed, offset
     return _bwd(do, q, k, v, None, out, lse, scale, is_causal)
 
 
+def _check_bias(q, k, bias):
+    """The real op checks every size of the bias, the batch too (an H200 refused a [1, H, Sq, Sk] bias for B = 2)."""
+    if bias is not None:
+        assert bias.shape == (*q.shape[:3], k.shape[2]), "attn_bias: wrong shape"
+        assert bias.stride(-1) == 1 and bias.stride(-2) % cuda_sdpa.BIAS_ALIGN == 0
+        assert bias.shape[0] == 1 or bias.stride(0) != 0  # batch rows written, not a stride-0 expand
+
+
 def _efficient(q, k, v, bias, compute_lse, dropout_p=0.0, is_causal=False, *, scale=None):
+    _check_bias(q, k, bias)
+    EFFICIENT_DTYPES.append(q.dtype)
     out, lse = _fwd(q, k, v, scale, bias, is_causal)
     padded = -(-q.shape[2] // 32) * 32
     return out, torch.nn.functional.pad(lse, (0, padded - q.shape[2]), value=math.inf), None, None
@@ -134,9 +144,12 @@ def _efficient(q, k, v, bias, compute_lse, dropout_p=0.0, is_causal=False, *, sc
 
 def _efficient_bwd(do, q, k, v, bias, out, lse, seed, offset, p, mask, is_causal=False, *, scale=None):
     assert lse.shape[-1] % 32 == 0 and lse.shape[-1] >= q.shape[2]
+    _check_bias(q, k, bias)
+    EFFICIENT_DTYPES.append(q.dtype)
     return (*_bwd(do, q, k, v, bias, out, lse[..., : q.shape[2]], scale, is_causal), None)
 
 
+EFFICIENT_DTYPES: list[torch.dtype] = []  # the dtype of every efficient-op call the stand-ins served
 STAND_INS = SimpleNamespace(
     _scaled_dot_product_flash_attention=_flash,
     _scaled_dot_product_flash_attention_backward=_flash_bwd,
@@ -174,3 +187,27 @@ def test_plumbing_against_stand_ins_equals_reference(monkeypatch, kind, dtype, h
     for got, want in zip(grads, leaves, strict=True):
         assert got.shape == want.shape
         assert (got.double() - want.grad).abs().max() <= tol * 10 * max(1.0, want.grad.abs().max().item())
+
+
+@pytest.mark.parametrize(("sq", "sk"), [(64, 32), (257, 193), (64, 33)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_efficient_blocks_off_32_run_in_fp32(monkeypatch, sq, sk, dtype):
+    """A mask shared by the batch (expanded to B in the bias) and the efficient op in half precision only
+    on 32-aligned blocks: elsewhere in float32, results back in the input dtype."""
+    monkeypatch.setattr(torch.ops, "aten", STAND_INS, raising=True)
+    EFFICIENT_DTYPES.clear()
+    b, h, d = 2, 4, 16
+    g = torch.Generator().manual_seed(sq + sk)
+    q = torch.randn(b, sq, h, d, generator=g).to(dtype)
+    k, v = (torch.randn(b, sk, 2, d, generator=g).to(dtype) for _ in range(2))
+    mask = (torch.rand(1, sq, sk, generator=g) < 0.6) | torch.eye(sq, sk, dtype=torch.bool)
+    out, lse = cuda_sdpa.forward(q, k, v, 0.25, mask, False)
+    grads = cuda_sdpa.backward(out.float(), q, k, v, out.float(), lse, 0.25, mask, False)
+    aligned = sq % 32 == 0 and sk % 32 == 0
+    served = list(EFFICIENT_DTYPES)
+    assert served == [dtype if aligned else torch.float32] * 2
+    assert cuda_sdpa.efficient_in_fp32(q, k, mask, False) == (not aligned)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert [t.dtype for t in grads] == [dtype] * 3
+    ref, _ = dense_attention_reference(q.double(), k.double(), v.double(), mask[0], scale=0.25)
+    assert (out.double() - ref).abs().max() <= 3e-2 * ref.abs().max()

@@ -22,7 +22,7 @@ from ds_seqpar.ops.delta import (
     piece_outputs,
     piece_transition,
 )
-from tests.helpers.fla import use_stand_in
+from tests.helpers.fla import backward_refused, use_stand_in
 
 B, H, DK, DV = 2, 3, 5, 4
 
@@ -186,3 +186,12 @@ def test_fused_path_that_disagrees_is_refused_with_a_warning(monkeypatch):
     assert (out - ref).abs().max() <= 1e-12  # PyTorch result, not the stand-in's zeros
     chunk_delta_rule(q, k, v, beta, g, init, 8)
     assert len(calls) == 1  # checked once, then never called again
+
+
+def test_fused_path_whose_backward_fails_is_refused_at_first_use(monkeypatch):
+    kernel, calls = _fake_fla()
+    use_stand_in(monkeypatch, backward_refused(kernel))
+    q, k, v, beta, g, _ = _inputs(20, "gdn", seed=8)
+    with pytest.warns(UserWarning, match="RuntimeError: Triton >= 3.4.0"):
+        piece = delta_piece(q, k, v, beta, g, 8, scale=0.5)
+    assert not isinstance(piece, delta.FusedDeltaPiece) and len(calls) == 1

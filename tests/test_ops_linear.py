@@ -26,7 +26,7 @@ from ds_seqpar.ops.linear import (
     linear_attention_reference,
     local_scan,
 )
-from tests.helpers.fla import use_stand_in
+from tests.helpers.fla import backward_refused, use_stand_in
 
 B, H, DK, DV = 2, 3, 4, 5
 KINDS = ["none", "scalar", "gate"]
@@ -443,3 +443,25 @@ def test_fused_path_that_disagrees_is_refused_with_a_warning(monkeypatch):
     assert (got.out - ref).abs().max() <= 1e-5  # PyTorch result, not the stand-in's zeros
     linear.local_scan(q, k, v, None, 8)
     assert len(calls) == 1  # checked once, then never called again
+
+
+def test_fused_path_whose_backward_fails_is_refused_at_first_use(monkeypatch):
+    """The first-use check runs the backward too (even under no_grad): fla raising there, as it does on
+    Hopper with Triton 3.6, means PyTorch serves, not a crash in the first training step."""
+    kernel, calls = _fake_fla()
+    use_stand_in(monkeypatch, backward_refused(kernel))
+    q, k, v = (torch.randn(1, 20, 2, 4, requires_grad=True) for _ in range(3))
+    with pytest.warns(UserWarning, match="RuntimeError: Triton >= 3.4.0"), torch.no_grad():
+        linear.local_scan(q, k, v, None, 8)
+    got = linear.local_scan(q, k, v, None, 8)
+    torch.autograd.grad(got.out.sum(), [q, k, v])  # PyTorch's backward
+    assert len(calls) == 1  # the check only
+
+
+def test_first_use_check_under_no_grad_accepts_a_good_kernel(monkeypatch):
+    kernel, calls = _fake_fla()
+    use_stand_in(monkeypatch, kernel)
+    q, k, v = (torch.randn(1, 20, 2, 4) for _ in range(3))
+    with torch.inference_mode():
+        linear.local_scan(q, k, v, None, 8)
+    assert len(calls) == 2  # the check (with its backward) passed, then the piece ran fused

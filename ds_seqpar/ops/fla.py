@@ -2,11 +2,13 @@
 
 Each op family registers the fla kernels it can use (``ops/linear``: ``simple_gla``, ``gla``;
 ``ops/delta``: ``gated_delta_rule``, ``kda``) as a :class:`FlaKernel`: where the function lives and a
-``compare(kernel, device, dtype)`` that runs it and the PyTorch chunk form on a small input. A kernel
-serves a call (:func:`fla_kernel`) only on a fused device (CUDA), when fla imports, when
-``DS_SEQPAR_NO_FLA=1`` is unset, and after its first use per (device, dtype) agreed with PyTorch within
-1e-3 (float32) or 5e-2 (half precision) relative error; on a mismatch or an error (an incompatible fla
-API) the registry warns once and PyTorch serves, so an incompatible fla version is never silently wrong.
+``compare(kernel, device, dtype)`` that runs it and the PyTorch chunk form on a small input, forward and
+backward (:func:`outputs_and_grads`). A kernel serves a call (:func:`fla_kernel`) only on a fused device
+(CUDA), when fla imports, when ``DS_SEQPAR_NO_FLA=1`` is unset, and after its first use per (device,
+dtype) agreed with PyTorch within 1e-3 (float32) or 5e-2 (half precision) relative error, outputs and
+gradients alike; on a mismatch or an error (an incompatible fla API, or fla refusing its own backward on
+a GPU / Triton pair it knows to be wrong) the registry warns once and PyTorch serves, so an incompatible
+fla version is never silently wrong and never fails mid-training.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import functools
 import importlib
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +25,16 @@ import torch
 
 from ds_seqpar.ops.backends import Backend, Registry
 
-__all__ = ["FLA_KERNELS", "FUSED_DEVICES", "FlaKernel", "fla_backend", "fla_call", "fla_kernel", "imported"]
+__all__ = [
+    "FLA_KERNELS",
+    "FUSED_DEVICES",
+    "FlaKernel",
+    "fla_backend",
+    "fla_call",
+    "fla_kernel",
+    "imported",
+    "outputs_and_grads",
+]
 
 FUSED_DEVICES = ("cuda",)
 FLA_KERNELS = Registry("flash-linear-attention kernel")
@@ -65,17 +76,28 @@ class FlaKernel:
     def verify(self, device: torch.device, dtype: torch.dtype) -> str | None:
         """None when fla agrees with PyTorch on the small input, else why not."""
         tol = 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
-        try:
+        try:  # gradients are compared too, also when the first use is under no_grad / inference_mode
+            with torch.inference_mode(False), torch.enable_grad():
+                pairs = self.compare(self.load(), device, dtype)
             err = max(
                 float(
                     (got.float().cpu() - ref.float().cpu()).abs().max()
                     / ref.float().abs().max().clamp(min=1e-6)
                 )
-                for got, ref in self.compare(self.load(), device, dtype)
+                for got, ref in pairs
             )
-        except Exception as exc:  # an incompatible fla API
+        except Exception as exc:  # an incompatible fla API, or fla refusing its backward here
             return f"{type(exc).__name__}: {exc}"
         return None if err <= tol else f"relative error {err:.2e} > {tol:g}"
+
+
+def outputs_and_grads(outputs: Sequence[torch.Tensor], leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``outputs`` followed by the gradients of ``leaves`` under one fixed random linear loss of the outputs
+    (the same weights for the same output shapes), so a first-use check compares the backward too."""
+    gen = torch.Generator().manual_seed(1)
+    loss = sum((out.float() * torch.randn(out.shape, generator=gen).to(out.device)).sum() for out in outputs)
+    grads = torch.autograd.grad(loss, list(leaves))
+    return [*(out.detach() for out in outputs), *grads]
 
 
 def fla_backend(name: str, kernel: FlaKernel, summary: str = "") -> Backend:

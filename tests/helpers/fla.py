@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
+
+import torch
 
 from ds_seqpar.ops import fla
 
@@ -17,3 +20,26 @@ def use_stand_in(monkeypatch, kernel: Callable) -> None:
     for name, entry in list(fla.FLA_KERNELS.entries.items()):
         stand_in = dataclasses.replace(entry.impl, load=lambda: kernel)
         monkeypatch.setitem(fla.FLA_KERNELS.entries, name, fla.fla_backend(name, stand_in, entry.summary))
+
+
+class _BackwardRefused(torch.autograd.Function):
+    """Identity forward; a backward that raises as fla does on a GPU / Triton pair it knows to be wrong."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results")
+
+
+def backward_refused(kernel: Callable) -> Callable:
+    """``kernel`` with exact outputs whose backward raises (fla's refusal, seen on an H200)."""
+
+    @functools.wraps(kernel)  # fla_call reads the parameters of the wrapped kernel
+    def refusing(*args, **kwargs):
+        out, state = kernel(*args, **kwargs)
+        return _BackwardRefused.apply(out), state
+
+    return refusing

@@ -6,6 +6,8 @@ Works on any CUDA machine with no extra package. Per block (the contract: ``atte
     PARTIAL (explicit mask), rectangular causal, fp32,          aten._scaled_dot_product_efficient_attention
     other head dims                                             (+_backward)
                                                         with the mask as an additive bias
+                                                        (in float32 for half-precision blocks whose Sq
+                                                        or Sk is not a multiple of 32: efficient_in_fp32)
 
 Both backward ops take the output and log-sum-exp as inputs, so the engine passes the FINAL (merged
 over all key blocks) out and lse of the rows, exactly as for the other kernels. Layout: the ops want
@@ -56,21 +58,38 @@ def use_flash(
     return mask is None and square and q.dtype in FLASH_DTYPES and d % 8 == 0 and d <= 256
 
 
+def efficient_in_fp32(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> bool:
+    """Whether a half-precision block that goes to the efficient op runs it in float32 instead.
+
+    Measured on an H200 (torch 2.11, ``benchmarks/results/gpu_check.md``): the efficient op with a bias
+    in fp16 / bf16 returned errors of 0.7 to 246 (relative to the output's max) on blocks of 257 queries
+    x 193 or 257 keys (batch 2), while float32 on the same blocks, and bf16 on 255 x 255 and 256 x 256
+    blocks (batch 1), were exact. Until a GPU run pins the trigger down, every half-precision
+    efficient-op block whose Sq or Sk is not a multiple of ``LSE_ROWS`` runs in float32 (slower, exact);
+    aligned blocks stay in half precision.
+    """
+    if q.dtype not in FLASH_DTYPES or use_flash(q, mask, causal, k.shape[1]):
+        return False
+    return q.shape[1] % LSE_ROWS != 0 or k.shape[1] % LSE_ROWS != 0
+
+
 def _heads_first(x: torch.Tensor, group: int) -> torch.Tensor:
     """``[B, S, H_kv, D]`` -> ``[B, H_kv·group, S, D]`` (each K/V head repeated for its query heads)."""
     x = x.transpose(1, 2)
     return x.repeat_interleave(group, dim=1) if group > 1 else x
 
 
-def _bias(mask: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
-    """Bool ``[B|1, Sq, Sk]`` (True = visible) -> additive ``[B, H, Sq, Sk]`` view of a buffer whose last
-    dim is padded to ``BIAS_ALIGN`` (0 visible, -inf hidden)."""
-    b, sq, sk = mask.shape
+def _bias(mask: torch.Tensor, batch: int, heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bool ``[B|1, Sq, Sk]`` (True = visible) -> additive ``[B, H, Sq, Sk]`` view of a ``[B, 1, Sq, *]``
+    buffer whose last dim is padded to ``BIAS_ALIGN`` (0 visible, -inf hidden). The op checks every size,
+    the batch too; a mask shared by the batch is written once per batch row (a stride-0 batch is not among
+    the layouts measured exact on a GPU), the heads are a stride-0 expand (measured exact)."""
+    sq, sk = mask.shape[1:]
     padded = -(-sk // BIAS_ALIGN) * BIAS_ALIGN
-    buf = torch.zeros(b, 1, sq, padded, dtype=dtype, device=mask.device)
+    buf = torch.zeros(batch, 1, sq, padded, dtype=dtype, device=mask.device)
     view = buf[..., :sk]
     view.masked_fill_(~mask.unsqueeze(1), NEG_INF)
-    return view.expand(b, heads, sq, sk)
+    return view.expand(batch, heads, sq, sk)
 
 
 def _padded_lse(lse: torch.Tensor) -> torch.Tensor:
@@ -91,6 +110,9 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [B, Sq, H, D]``, ``k, v [B, Sk, H_kv, D]`` -> ``out [B, Sq, H, D]`` (q.dtype), ``lse [B, H, Sq]`` fp32."""
     refuse_softcap("cuda_sdpa", softcap)
+    if efficient_in_fp32(q, k, mask, causal):
+        out, lse = forward(q.float(), k.float(), v.float(), scale, mask, causal)
+        return out.to(q.dtype), lse
     aten = torch.ops.aten
     group = q.shape[2] // k.shape[2]
     q_t, k_t, v_t = q.transpose(1, 2), _heads_first(k, group), _heads_first(v, group)
@@ -99,7 +121,7 @@ def forward(
         res = aten._scaled_dot_product_flash_attention(q_t, k_t, v_t, 0.0, causal, False, scale=scale)
         out, lse = res[0], res[1]
     else:
-        bias = None if mask is None else _bias(mask, q.shape[2], q.dtype)
+        bias = None if mask is None else _bias(mask, q.shape[0], q.shape[2], q.dtype)
         res = aten._scaled_dot_product_efficient_attention(
             q_t, k_t, v_t, bias, True, 0.0, causal, scale=scale
         )
@@ -126,6 +148,9 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients given the FINAL ``out [B, Sq, H, D]`` / ``lse [B, H, Sq]`` (finite) of the rows."""
     refuse_softcap("cuda_sdpa", softcap)
+    if efficient_in_fp32(q, k, mask, causal):
+        grads = backward(dout.float(), q.float(), k.float(), v.float(), out, lse, scale, mask, causal)
+        return tuple(g.to(q.dtype) for g in grads)  # type: ignore[return-value]
     aten = torch.ops.aten
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -140,7 +165,7 @@ def backward(
             do_t, q_t, k_t, v_t, o_t, lse, None, None, sq, sk, 0.0, causal, seed, offset, scale=scale
         )
     else:
-        bias = None if mask is None else _bias(mask, h, q.dtype)
+        bias = None if mask is None else _bias(mask, b, h, q.dtype)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         offset = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(

@@ -51,7 +51,15 @@ from typing import NamedTuple
 import torch
 
 from ds_seqpar.ops.delta.checks import check_gates, gate_heads_first
-from ds_seqpar.ops.fla import FLA_KERNELS, FlaKernel, fla_backend, fla_call, fla_kernel, imported
+from ds_seqpar.ops.fla import (
+    FLA_KERNELS,
+    FlaKernel,
+    fla_backend,
+    fla_call,
+    fla_kernel,
+    imported,
+    outputs_and_grads,
+)
 from ds_seqpar.ops.linear.checks import check_chunk_size, check_qkv, check_tensor
 from ds_seqpar.ops.linear.checks import initial_state as initial_state_of
 from ds_seqpar.ops.precision import accumulation_dtype
@@ -295,7 +303,8 @@ def _fused_run(piece: FusedDeltaPiece, v: torch.Tensor, initial: torch.Tensor | 
 
 
 def _compare(per_channel: bool) -> Callable:
-    """fla against the PyTorch chunk form (outputs and final state, from a random initial state)."""
+    """fla against the PyTorch chunk form (outputs, final state and the gradients of q, k, v, beta, from a
+    random initial state)."""
 
     def compare(kernel: Callable, device: torch.device, dtype: torch.dtype) -> list:
         gen = torch.Generator(device="cpu").manual_seed(0)
@@ -306,10 +315,11 @@ def _compare(per_channel: bool) -> Callable:
         beta = torch.rand(b, s, h, generator=gen)
         g = -torch.rand(*((b, s, h, d) if per_channel else (b, s, h)), generator=gen) * 0.2
         init = torch.randn(b, h, d, d, generator=gen)
-        ref, ref_state = piece_outputs(_torch_piece(q, k, v, beta, g, 16, 0.25), init)  # never the fused path
-        xs = [x.to(device, dtype) for x in (q, k, v)]
-        out, state = _fla_run(kernel, *xs, g.to(device), beta.to(device, dtype), 0.25, init.to(device))
-        return [(out, ref), (state, ref_state)]
+        ref = [x.clone().requires_grad_() for x in (q, k, v, beta)]
+        want = piece_outputs(_torch_piece(*ref[:3], ref[3], g, 16, 0.25), init)  # never the fused path
+        fused = [x.to(device, dtype).requires_grad_() for x in (q, k, v, beta)]
+        got = _fla_run(kernel, *fused[:3], g.to(device), fused[3], 0.25, init.to(device))
+        return list(zip(outputs_and_grads(got, fused), outputs_and_grads(want, ref), strict=True))
 
     return compare
 

@@ -45,7 +45,15 @@ from typing import NamedTuple
 
 import torch
 
-from ds_seqpar.ops.fla import FLA_KERNELS, FlaKernel, fla_backend, fla_call, fla_kernel, imported
+from ds_seqpar.ops.fla import (
+    FLA_KERNELS,
+    FlaKernel,
+    fla_backend,
+    fla_call,
+    fla_kernel,
+    imported,
+    outputs_and_grads,
+)
 from ds_seqpar.ops.linear.checks import (
     check_chunk_size,
     check_qkv,
@@ -183,12 +191,13 @@ def _fla_run(kernel: Callable, q, k, v, g, scale: float) -> tuple[torch.Tensor, 
 def _compare(gate: bool) -> Callable:
     def compare(kernel: Callable, device: torch.device, dtype: torch.dtype) -> list:
         gen = torch.Generator(device="cpu").manual_seed(0)
-        q, k, v = (torch.randn(1, 71, 2, 16, generator=gen).mul(0.5).to(device, dtype) for _ in range(3))
+        xs = [torch.randn(1, 71, 2, 16, generator=gen).mul(0.5).to(device, dtype) for _ in range(3)]
         shape = (1, 71, 2, 16) if gate else (2,)
         log_decay = (-torch.rand(shape, generator=gen) * 0.2).to(device, torch.float32)
-        out, state = _fla_run(kernel, q, k, v, _fla_inputs(q, log_decay)[1], 0.25)
-        ref, ref_state = chunk_linear_attention(q, k, v, log_decay, scale=0.25)
-        return [(out, ref), (state, ref_state)]
+        fused, ref = ([x.clone().requires_grad_() for x in xs] for _ in range(2))
+        got = _fla_run(kernel, *fused, _fla_inputs(xs[0], log_decay)[1], 0.25)
+        want = chunk_linear_attention(*ref, log_decay, scale=0.25)
+        return list(zip(outputs_and_grads(got, fused), outputs_and_grads(want, ref), strict=True))
 
     return compare
 
