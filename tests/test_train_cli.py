@@ -250,6 +250,30 @@ def test_passkey_rows_hide_the_answer_from_the_questions():
     assert len(starts) > 10  # the position varies: no fixed offset to learn
 
 
+def test_passkey_data_asks_every_passkey_once_per_block():
+    """Balanced rows (the default): each block of num_keys consecutive rows asks every passkey once, in
+    an order that changes from block to block; reading a row again gives the same row."""
+    from transformers import AutoTokenizer
+
+    from ds_seqpar.cli import DEFAULT_MODEL
+    from ds_seqpar.tasks.passkey import PasskeyDataset, PasskeyTask
+
+    task = PasskeyTask(AutoTokenizer.from_pretrained(DEFAULT_MODEL), num_questions=4, num_keys=8, prefix=2)
+    data = PasskeyDataset(task, 40, 64, seed=3)
+
+    def key(row: dict) -> int:
+        return int(row["labels"][row["labels"] != -100][0])
+
+    keys = [key(data[i]) for i in range(len(data))]
+    blocks = [keys[i : i + 8] for i in range(0, 40, 8)]
+    assert all(sorted(b) == sorted(task.keys.tolist()) for b in blocks)
+    assert len({tuple(b) for b in blocks}) > 1  # shuffled per block, not one fixed cycle
+    assert torch.equal(data[13]["input_ids"], data[13]["input_ids"]) and key(data[13]) == keys[13]
+    random_keys = PasskeyDataset(task, 40, 64, seed=3, balanced=False)
+    drawn = [key(random_keys[i]) for i in range(len(random_keys))]
+    assert any(sorted(drawn[i : i + 8]) != sorted(task.keys.tolist()) for i in range(0, 40, 8))
+
+
 def test_max_seq_len_search_prints_the_models_largest_length(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     plain = main(["--max-seq-len-search", "256"])["max_seq_len"]

@@ -1,10 +1,11 @@
-"""Synthetic long-context passkey retrieval: the answer sits a whole sequence before the question.
+"""Synthetic long-context passkey retrieval: the answer sits far before the question.
 
-A sample of S tokens: the passkey (one of ``num_keys`` ``k*`` words, default 16) at position 0, random filler words
-(``f*``) everywhere else, and in the last ``2 · num_questions`` tokens a ``?`` every other token.
-The label of each ``?`` is the passkey; the token after a ``?`` in the INPUT is filler, so the answer
-never appears near the question: every question must be answered from position 0, S tokens away,
-which under sequence parallelism lives on another rank. Chance accuracy is 1 / num_keys.
+A sample of S tokens: the passkey (one of ``num_keys`` ``k*`` words) repeated ``prefix`` times at a random
+place in the first half, random filler words (``f*``) everywhere else, and in the last
+``2 · num_questions`` tokens a ``?`` every other token. The label of each ``?`` is the passkey; the
+token after a ``?`` in the INPUT is filler, so the answer never appears near the question: every
+question must be answered from the first half of the row, which under sequence parallelism lives on
+another rank. Chance accuracy is 1 / num_keys.
 """
 
 from __future__ import annotations
@@ -37,15 +38,20 @@ class PasskeyTask:
         self.num_questions = num_questions
         self.prefix = prefix
 
-    def sample(self, seq_len: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
-        """``input_ids [S]`` and ``labels [S]`` (already next-token aligned: label t is the answer at t)."""
+    def sample(
+        self, seq_len: int, generator: torch.Generator, key_index: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """``input_ids [S]`` and ``labels [S]`` (already next-token aligned: label t is the answer at t).
+
+        ``key_index`` picks the passkey (``0 .. num_keys - 1``); None draws it from ``generator``."""
         nq = self.num_questions
         if seq_len < 2 * nq + self.prefix + 1:
             raise ValueError(
                 f"passkey seq_len={seq_len} must be >= {2 * nq + self.prefix + 1} (2 x num_questions + prefix + 1)"
             )
         ids = self.filler[torch.randint(len(self.filler), (seq_len,), generator=generator)]
-        key = self.keys[torch.randint(len(self.keys), (1,), generator=generator)]
+        drawn = torch.randint(len(self.keys), (1,), generator=generator)
+        key = self.keys[drawn if key_index is None else torch.tensor([key_index])]
         start = int(torch.randint(0, seq_len // 2 - self.prefix + 1, (1,), generator=generator))
         ids[start : start + self.prefix] = key  # anywhere in the first half: no fixed offset to learn
         questions = torch.arange(seq_len - 2 * nq, seq_len, 2)
@@ -57,14 +63,41 @@ class PasskeyTask:
 
 
 class PasskeyDataset(Dataset):
-    """``num_samples`` deterministic samples; sample i uses seed ``seed + i`` (resumable by index)."""
+    """``num_samples`` deterministic samples; sample i uses seed ``seed + i`` (resumable by index).
 
-    def __init__(self, task: PasskeyTask, num_samples: int, seq_len: int, seed: int = 0) -> None:
+    With ``balanced`` (the default), every block of ``num_keys`` consecutive samples asks each passkey
+    once, in a shuffled order per block. Read in index order (``train.py`` does not shuffle this data),
+    no passkey is missing from a stretch of training, so the model cannot lower its loss by predicting
+    the recent passkeys, the shortcut that left whole passkeys unlearned when they were drawn at random
+    (docs/train.md, "The embedded default").
+    """
+
+    def __init__(
+        self, task: PasskeyTask, num_samples: int, seq_len: int, seed: int = 0, balanced: bool = True
+    ) -> None:
         self.task, self.num_samples, self.seq_len, self.seed = task, num_samples, seq_len, seed
+        self.balanced = balanced
         task.sample(seq_len, torch.Generator().manual_seed(seed))  # validate now, not in a worker
 
     def __len__(self) -> int:
         return self.num_samples
 
+    def key_index(self, index: int) -> int | None:
+        """The passkey (its number) that sample ``index`` asks, or None when it is drawn at random."""
+        if not self.balanced:
+            return None
+        keys = len(self.task.keys)
+        block, place = divmod(index, keys)
+        order = torch.randperm(keys, generator=torch.Generator().manual_seed(_block_seed(self.seed, block)))
+        return int(order[place])
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return self.task.sample(self.seq_len, torch.Generator().manual_seed(self.seed + index))
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"passkey sample {index} is out of range 0..{self.num_samples - 1}")
+        generator = torch.Generator().manual_seed(self.seed + index)
+        return self.task.sample(self.seq_len, generator, self.key_index(index))
+
+
+def _block_seed(seed: int, block: int) -> int:
+    """The seed of one block's passkey order (distinct from the samples' own seeds ``seed + i``)."""
+    return (seed * 2_654_435_761 + 97 * block + 1) % 2**63
