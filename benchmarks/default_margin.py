@@ -13,8 +13,8 @@ last step and with a small eval loss:
 (More threads per rank would perturb each rank's math kernels, but 4 ranks x 2 threads on 2 cores ran
 40 times slower, and one process gave the same bits with 1 and 2 threads.)
 
-    .venv/bin/python -m benchmarks.default_margin                 # all five, about 25 min on 2 cores
-    .venv/bin/python -m benchmarks.default_margin --runs seed1,ring
+    .venv/bin/python -m benchmarks.default_margin                 # all five, about 18 min on 2 cores
+    .venv/bin/python -m benchmarks.default_margin --runs seed1,ring  # -> default_margin_seed1_ring.*
 
 Writes ``benchmarks/results/default_margin.json`` and ``.md``: per run, the held-out accuracy at every
 evaluation, the first step at accuracy 1.000, the last eval loss and the wall time.
@@ -37,6 +37,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import save_results  # noqa: E402
+from ds_seqpar.cli.args import PASSKEYS  # noqa: E402
 
 CONFIG = ROOT / "ds_configs" / "usp_zero3.json"
 RUNS: dict[str, tuple[list[str], int]] = {  # name -> (train.py flags, processes)
@@ -109,10 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     title = (
         "# The embedded default under other seeds and perturbed rounding\n\n"
-        "`python -m benchmarks.default_margin` (16 held-out rows at 4096, "
-        "2 per passkey; chance 0.125)."
+        f"`.venv/bin/python -m benchmarks.default_margin --runs {','.join(names)}` (the default 16 held-out rows "
+        f"at 4096; {PASSKEYS} passkeys, chance {1 / PASSKEYS:.3f})."
     )
-    print(save_results("default_margin", title, {"runs": names}, rows, columns))
+    name = "default_margin" if names == list(RUNS) else "default_margin_" + "_".join(names)
+    print(save_results(name, title, {"runs": names}, rows, columns))
     return 0 if all(r["final_accuracy"] == 1.0 for r in rows) else 1
 
 

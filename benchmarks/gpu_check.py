@@ -41,6 +41,7 @@ minutes on one H200.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -50,7 +51,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ds_seqpar.ops.attention import KERNELS, available_kernels, block_attn_backward, block_attn_forward
+from ds_seqpar.ops.attention import (
+    KERNELS,
+    available_kernels,
+    block_attn_backward,
+    block_attn_forward,
+    cuda_sdpa,
+)
 from ds_seqpar.ops.attention.reference import dense_attention_reference
 from ds_seqpar.ops.masks import MaskSpec, token_mask
 
@@ -59,6 +66,7 @@ TOL = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-3}
 KINDS = ("full", "causal", "partial", "window")
 # (Sq, Sk) of the kernel rows: off 32 (the efficient op's half precision was wrong there on an H200) and aligned
 SHAPES = ((257, 193), (256, 192))
+RAW_SHAPES = ((257, 193), (257, 257), (255, 255), (256, 192), (256, 256))  # efficient_raw: Sq x Sk
 
 
 def _mask(kind: str, sq: int, sk: int) -> tuple[torch.Tensor | None, bool]:
@@ -77,11 +85,19 @@ def _mask(kind: str, sq: int, sk: int) -> tuple[torch.Tensor | None, bool]:
 
 
 def check_kernel(
-    name: str, kind: str, dtype: torch.dtype, h: int, h_kv: int, d: int, device: str, shape: tuple[int, int]
+    name: str,
+    kind: str,
+    dtype: torch.dtype,
+    h: int,
+    h_kv: int,
+    d: int,
+    device: str,
+    shape: tuple[int, int],
+    batch: int = 2,
 ) -> dict:
     """Max error of one kernel / block kind / dtype / ``(Sq, Sk)`` against the fp64 CPU reference,
     relative to its max (causal and window blocks are square: Sk = Sq)."""
-    b, sq = 2, shape[0]
+    b, sq = batch, shape[0]
     sk = sq if kind in ("causal", "window") else shape[1]
     g = torch.Generator().manual_seed(0)
     q, k, v = (
@@ -142,6 +158,22 @@ def kernel_rows(device: str) -> list[dict]:
                     continue
                 for h_kv, d in ((8, 128), (2, 64)):
                     rows += [check_kernel(name, kind, dtype, 8, h_kv, d, device, sh) for sh in SHAPES]
+    return rows
+
+
+def efficient_raw_rows(device: str) -> list[dict]:
+    """PyTorch's efficient op in fp16 / bf16 with a mask, as ``cuda_sdpa`` would call it without its fp32
+    rule (``efficient_in_fp32`` bypassed): which (Sq, Sk, B) the rule can leave in half precision.
+    Informational: these rows never fail the run (``ok`` says whether the op was within tolerance)."""
+    rows = []
+    rule = cuda_sdpa.efficient_in_fp32
+    cuda_sdpa.efficient_in_fp32 = lambda *args, **kwargs: False  # the module's forward / backward read it
+    try:
+        for (sq, sk), b, dtype in itertools.product(RAW_SHAPES, (1, 2), (torch.bfloat16, torch.float16)):
+            row = check_kernel("cuda_sdpa", "partial", dtype, 8, 2, 64, device, (sq, sk), batch=b)
+            rows.append({**row, "batch": b, "rule_sends_to_fp32": bool(sq % 32 or sk % 32)})
+    finally:
+        cuda_sdpa.efficient_in_fp32 = rule
     return rows
 
 
@@ -360,7 +392,7 @@ def _recurrent_case(family: str, kind: str, dtype: torch.dtype, device: str, siz
     try:
         got, fused = run(device, dtype)
     except RuntimeError as exc:  # a kernel that refuses this device / version: a failed row, not a crash
-        return {"family": family, "kind": kind, "dtype": str(dtype).replace("torch.", ""), "fused": True,
+        return {"family": family, "kind": kind, "dtype": str(dtype).replace("torch.", ""), "fused": False,
                 "max_rel_err": float("nan"), "ok": False, "error": str(exc)[:300]}  # fmt: skip
     ref, _ = run("cpu", torch.float64)
     err = max(
@@ -381,7 +413,9 @@ def recurrent_rows(device: str) -> list[dict]:
 
 def _markdown(result: dict) -> str:
     lines = [
-        f"# GPU check ({result['device_name']})",
+        f"# GPU check ({result['device_name']}, torch {result['torch']})",
+        "",
+        "Sections (seconds): " + ", ".join(f"{k} {v:.0f}" for k, v in result.get("section_s", {}).items()),
         "",
         "## Kernels vs the fp64 CPU reference (max error / max |ref|)",
         "",
@@ -391,9 +425,19 @@ def _markdown(result: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['kernel']} | {r['kind']} | {r['dtype']} | {r['h_kv']} | {r['d']} | {r.get('shape', '257x193')} "
+        f"| {r['kernel']} | {r['kind']} | {r['dtype']} | {r['h_kv']} | {r['d']} | {r['shape']} "
         f"| {r['max_rel_err']:.2e} | {r['ok']} |"
         for r in result.get("kernels", [])
+    ]
+    lines += ["", "## The efficient op in half precision with a mask, fp32 rule bypassed (informational)", ""]
+    lines += [
+        "| dtype | B | Sq x Sk | cuda_sdpa runs it in | error | within tolerance |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['dtype']} | {r['batch']} | {r['shape']} | {'fp32' if r['rule_sends_to_fp32'] else 'half precision'} "
+        f"| {r['max_rel_err']:.2e} | {'yes' if r['ok'] else 'no'} |"
+        for r in result.get("efficient_raw", [])
     ]
     lines += ["", "## Sparse kernel vs the fp64 reference (out, lse, dq)", ""]
     lines += ["| kernel | case | dtype | error | ok | note |", "|---|---|---|---|---|---|"]
@@ -440,8 +484,8 @@ def _markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"  # fmt: skip
 
 
-SECTIONS = ("kernels", "sparse", "engine_exact", "engine", "parallel", "recurrent")
-CHECKED = ("kernels", "sparse", "engine_exact", "recurrent")  # the sections with an ``ok`` per row
+SECTIONS = ("kernels", "efficient_raw", "sparse", "engine_exact", "engine", "parallel", "recurrent")
+CHECKED = ("kernels", "sparse", "engine_exact", "recurrent")  # the sections with an ``ok`` that fails the run
 
 
 def _sections(device: str, cuda: bool) -> dict:
@@ -459,6 +503,7 @@ def _sections(device: str, cuda: bool) -> dict:
 
     return {
         "kernels": lambda: kernel_rows("cuda" if cuda else "meta"),
+        "efficient_raw": lambda: efficient_raw_rows("cuda" if cuda else "meta"),
         "sparse": lambda: sparse_rows(device),
         "engine_exact": lambda: engine_exact_rows(device, dtype) if first else [],
         "engine": lambda: engine_rows(device, seq_lens, h, d, dtype, reps) if first else [],
@@ -504,11 +549,11 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         result[key] = makers[key]()
         result["section_s"][key] = time.perf_counter() - t
-        result["seconds"] = time.perf_counter() - t0
         print(f"gpu_check: {key}: {len(result[key])} rows in {result['section_s'][key]:.0f} s", flush=True)
         if dist.get_rank() == 0:
             (out / "gpu_check.json").write_text(json.dumps(result, indent=1) + "\n")
             (out / "gpu_check.md").write_text(_markdown(result))
+    result["seconds"] = time.perf_counter() - t0
     bad = [r for key in CHECKED for r in result.get(key, []) if not r["ok"]]
     if dist.get_rank() == 0:
         print(_markdown(result))

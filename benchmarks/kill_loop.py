@@ -2,7 +2,7 @@
 
 For each ZeRO stage: one uninterrupted run gives the reference losses (and how long its saves take);
 then cycles of (a fresh run with ``--overwrite``, then ``--resume`` after every kill) until ``--kills``
-kills have landed. Each kill is aimed, with probability ``--aim-saves``, at a save: the script watches
+kills have landed. Each kill is aimed, with probability ``--aim-saves`` (drawn per launch), at a save: the script watches
 the checkpoint directory, and when the launch's k-th save (k drawn at random) makes its ``<tag>.partial``
 directory, it kills the job after a delay drawn over the reference's save duration, so the kill hits the
 checkpoint files, their hashing, the manifest or the rename. Otherwise the kill lands at a time drawn
@@ -11,7 +11,8 @@ own first step (start-up varies with the machine's load), so it hits steps, eval
 After every kill the script checks that ``latest`` names a complete checkpoint (its manifest verified,
 file by file); the next launch is ``--resume`` when a complete tag exists, else ``--overwrite``. Each
 cycle runs until the job finishes; its ``metrics.jsonl`` must then hold one row per step with the
-reference's losses, bit for bit. A kill "landed in a save" when a ``.partial`` directory is left behind.
+reference's losses, bit for bit. A kill landed in a save when the launch left a ``.partial`` directory, or
+when a tag newer than ``latest`` is complete (killed after the rename, before ``latest`` moved on).
 
     python benchmarks/kill_loop.py --kills 20 --stages 2 3
 
@@ -104,7 +105,20 @@ def _state_after_kill(ckpt: Path) -> tuple[str | None, list[str]]:
 
 
 def _partials(ckpt: Path) -> set[str]:
+    """The ``<tag>.partial`` directories of ``ckpt`` (saves in progress, or left by a kill)."""
     return {p.name for p in ckpt.glob("*.partial")} if ckpt.is_dir() else set()
+
+
+def _save_dirs(ckpt: Path) -> set[tuple[str, int]]:
+    """``(name, inode)`` of each ``.partial`` directory: a save that reuses the name of one a kill left
+    (the resumed run saves that step again) is still a new directory."""
+    found = set()
+    for name in _partials(ckpt):
+        try:
+            found.add((name, (ckpt / name).stat().st_ino))
+        except FileNotFoundError:  # renamed (complete) between the listing and the stat
+            continue
+    return found
 
 
 def _newest_complete_step(ckpt: Path) -> int:
@@ -129,9 +143,9 @@ def _wait(proc: subprocess.Popen, log: Path, after_s: float | None) -> int:
 def _wait_for_save(proc: subprocess.Popen, ckpt: Path, nth: int, delay_s: float) -> int:
     """The launch's exit code; raises ``TimeoutExpired`` ``delay_s`` seconds after the ``nth`` save of
     this launch (0-based) made its ``.partial`` directory."""
-    seen, before = 0, _partials(ckpt)
+    seen, before = 0, _save_dirs(ckpt)
     while proc.poll() is None:
-        now = _partials(ckpt)
+        now = _save_dirs(ckpt)
         if now - before:
             if seen == nth:
                 time.sleep(delay_s)
@@ -152,16 +166,19 @@ def _timed_reference(
     first = done = None
     born: dict[str, float] = {}
     saves: list[float] = []
+    polls = 0
     while proc.poll() is None or done is None:
-        text = log.read_text(errors="replace")
         now = time.perf_counter()
         partial = _partials(ckpt)
         born.update({name: now for name in partial - set(born)})
         saves += [now - born.pop(name) for name in set(born) - partial]
-        if first is None and re.search(r"^step \d+: loss", text, flags=re.M):
-            first = now
-        if done is None and re.search(r"^done: ", text, flags=re.M):
-            done = now
+        polls += 1
+        if polls % 25 == 0 or proc.poll() is not None:  # the log every 50 ms, the saves every 2 ms
+            text = log.read_text(errors="replace")
+            if first is None and re.search(r"^step \d+: loss", text, flags=re.M):
+                first = now
+            if done is None and re.search(r"^done: ", text, flags=re.M):
+                done = now
         if proc.poll() is not None and done is None:
             break
         time.sleep(0.002)
@@ -190,6 +207,7 @@ def _stage(
         while True:
             launch += 1
             log = out / f"zero{stage}_launch{launch}.log"
+            earlier = _save_dirs(ckpt)  # half saves of earlier kills, not this launch's
             proc = _launch(config, model, run_dir, steps, flags, log)
             aim = "none" if landed >= kills else ("save" if rng.random() < aim_saves else "time")
             # a save-aimed kill: one of the saves still ahead of this launch, within its first 80 %
@@ -208,10 +226,13 @@ def _stage(
                 rc, killed = -9, True
                 landed += 1
             tag, problems = _state_after_kill(ckpt)
-            partial = sorted(_partials(ckpt))
+            partial = sorted(name for name, _ in _save_dirs(ckpt) - earlier)
+            # inside a save: its .partial left, or killed after the rename and before `latest` moved on
+            renamed = killed and _newest_complete_step(ckpt) > (int(tag.removeprefix("step")) if tag else 0)
             row = {"stage": stage, "cycle": cycle, "launch": launch, "mode": flags[0], "aim": aim,
                    "killed_at_s": at if aim != "none" else 0.0, "killed": killed, "rc": rc, "latest": tag or "-",
-                   "latest_ok": not problems, "partial_left": ",".join(partial) or "-"}  # fmt: skip
+                   "latest_ok": not problems, "partial_left": ",".join(partial) or "-",
+                   "in_save": killed and (bool(partial) or renamed)}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
             if problems:
@@ -246,16 +267,18 @@ def main() -> None:
     for stage in args.stages:
         rows += _stage(stage, args.kills, args.steps, args.aim_saves, _model(out, args.hidden), out, rng)
     kills = [r for r in rows if r["killed"]]
-    in_save = sum(1 for r in kills if r["partial_left"] != "-")
+    in_save = sum(1 for r in kills if r["in_save"])
     cycles = {(r["stage"], r["cycle"]) for r in rows if r.get("equal_to_reference")}
     meta = {"kills": len(kills), "kills_during_a_save": in_save,
-            "kills_aimed_at_a_save": sum(1 for r in kills if r["aim"] == "save"), "cycles_equal_to_reference": len(cycles),
+            "kills_aimed_at_a_save": sum(1 for r in kills if r["aim"] == "save"),
+            "aimed_kills_inside_a_save": sum(1 for r in kills if r["aim"] == "save" and r["in_save"]), "cycles_equal_to_reference": len(cycles),
             "launches": len(rows), "steps": args.steps, "stages": args.stages, "hidden": args.hidden}  # fmt: skip
     columns = [("stage", "stage", "d"), ("cycle", "cycle", "d"), ("launch", "launch", "d"), ("mode", "mode", "s"),
                ("aim", "aim", "s"), ("kill delay (s)", "killed_at_s", ".3f"), ("killed", "killed", ""), ("rc", "rc", "d"),
-               ("latest", "latest", "s"), ("latest complete", "latest_ok", ""), ("half save left", "partial_left", "s")]  # fmt: skip
+               ("latest", "latest", "s"), ("latest complete", "latest_ok", ""), ("half save left", "partial_left", "s"),
+               ("in a save", "in_save", "")]  # fmt: skip
     title = (f"# Kill loop: {len(kills)} SIGKILLs of the whole job (ZeRO {args.stages}), {meta['kills_aimed_at_a_save']} "
-             f"aimed at a save, {in_save} inside one (a `.partial` left); every cycle ({len(cycles)}) resumed to the "
+             f"aimed at a save, {in_save} inside one (its `.partial` left, or `latest` not yet moved to it); every cycle ({len(cycles)}) resumed to the "
              "reference's losses bit for bit\n\nkill delay: seconds after the launch's first step (aim `time`) or after "
              "the save's `.partial` appeared (aim `save`).")  # fmt: skip
     print(save_results("kill_loop", title, meta, rows, columns))

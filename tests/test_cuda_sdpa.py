@@ -126,6 +126,11 @@ def _flash_bwd(do, q, k, v, out, lse, cq, ck, mq, mk, p, is_causal, seed, offset
     return _bwd(do, q, k, v, None, out, lse, scale, is_causal)
 
 
+EFFICIENT_DTYPES: list[
+    torch.dtype
+] = []  # the dtype of every efficient-op call the stand-ins served (a test clears it)
+
+
 def _check_bias(q, k, bias):
     """The real op checks every size of the bias, the batch too (an H200 refused a [1, H, Sq, Sk] bias for B = 2)."""
     if bias is not None:
@@ -149,7 +154,6 @@ def _efficient_bwd(do, q, k, v, bias, out, lse, seed, offset, p, mask, is_causal
     return (*_bwd(do, q, k, v, bias, out, lse[..., : q.shape[2]], scale, is_causal), None)
 
 
-EFFICIENT_DTYPES: list[torch.dtype] = []  # the dtype of every efficient-op call the stand-ins served
 STAND_INS = SimpleNamespace(
     _scaled_dot_product_flash_attention=_flash,
     _scaled_dot_product_flash_attention_backward=_flash_bwd,
@@ -202,12 +206,17 @@ def test_half_precision_efficient_blocks_off_32_run_in_fp32(monkeypatch, sq, sk,
     k, v = (torch.randn(b, sk, 2, d, generator=g).to(dtype) for _ in range(2))
     mask = (torch.rand(1, sq, sk, generator=g) < 0.6) | torch.eye(sq, sk, dtype=torch.bool)
     out, lse = cuda_sdpa.forward(q, k, v, 0.25, mask, False)
-    grads = cuda_sdpa.backward(out.float(), q, k, v, out.float(), lse, 0.25, mask, False)
+    dout = torch.randn(b, sq, h, d, generator=g)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref, _ = dense_attention_reference(*leaves, mask[0], scale=0.25)
+    ref.backward(dout.double())
+    grads = cuda_sdpa.backward(dout, q, k, v, ref.detach(), lse, 0.25, mask, False)
     aligned = sq % 32 == 0 and sk % 32 == 0
     served = list(EFFICIENT_DTYPES)
     assert served == [dtype if aligned else torch.float32] * 2
-    assert cuda_sdpa.efficient_in_fp32(q, k, mask, False) == (not aligned)
+    assert cuda_sdpa.efficient_in_fp32(q, mask, False, sk) == (not aligned)
     assert out.dtype == dtype and lse.dtype == torch.float32
     assert [t.dtype for t in grads] == [dtype] * 3
-    ref, _ = dense_attention_reference(q.double(), k.double(), v.double(), mask[0], scale=0.25)
     assert (out.double() - ref).abs().max() <= 3e-2 * ref.abs().max()
+    for got, want in zip(grads, leaves, strict=True):
+        assert (got.double() - want.grad).abs().max() <= 3e-2 * want.grad.abs().max()

@@ -7,6 +7,7 @@ against an uninterrupted run of the same job (two runs of one job are bit-identi
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from ds_seqpar.checkpoint_manifest import MANIFEST, resume_tag
 from ds_seqpar.cli import main
 from ds_seqpar.cli.args import DEFAULT_CONFIG, parse_args
-from ds_seqpar.cli.run_dir import check_output_dir
+from ds_seqpar.cli.run_dir import check_output_dir, check_resumed_flags, training_flags
 from ds_seqpar.errors import SeqParConfigError
 from tests.helpers.cli_runs import run_cli
 
@@ -217,3 +218,18 @@ def test_a_failed_save_names_the_directory_and_the_cause(tmp_path):
     assert "step4.partial" in str(full) and "never becomes 'latest'" in str(full)
     denied = _save_error(PermissionError(13, "Permission denied"), tmp_path / "checkpoints", "step4")
     assert f"cannot write to {tmp_path / 'checkpoints'}" in str(denied)
+
+
+def test_resume_on_another_version_of_the_embedded_task_is_refused():
+    """A checkpoint records which embedded task it trained on; one of an older version (which recorded
+    none: 16 passkeys drawn at random) is refused by name, a --data run is not concerned."""
+    args = argparse.Namespace(model=None, data=None, text_field="text", objective="causal", seed=0, seq_len=4096,
+                              curriculum=None)  # fmt: skip
+    now = training_flags(args, None)
+    assert "8 passkeys" in now["task"]
+    check_resumed_flags(dict(now), now, "step2")
+    older = {k: v for k, v in now.items() if k != "task"}
+    with pytest.raises(SeqParConfigError, match=r"the embedded task: 'passkey retrieval, 16 passkeys"):
+        check_resumed_flags(older, now, "step2")
+    text = {**older, "data": "docs.jsonl"}
+    check_resumed_flags(text, {**text, "task": None}, "step2")

@@ -36,6 +36,8 @@ DEFAULT_CONFIG = REPO / "ds_configs" / "usp_zero3.json"
 DEFAULT_TASK_LR = 3e-3
 DEFAULT_CURRICULUM = "1024:400"
 PASSKEYS = 8
+# what a checkpoint of the embedded task records of it (a resume on another version of the task is refused)
+PASSKEY_TASK = f"passkey retrieval, {PASSKEYS} passkeys, each asked once per block of {PASSKEYS} rows"
 PASSKEY_QUESTIONS = 64
 PASSKEY_PREFIX = 8
 ROPE_TYPES = ("linear", "dynamic", "yarn")

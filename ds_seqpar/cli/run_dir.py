@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ds_seqpar.cli.args import PASSKEY_TASK
 from ds_seqpar.errors import SeqParConfigError
 
 __all__ = ["check_output_dir", "check_resumed_flags", "move_aside", "training_flags", "truncate_metrics"]
@@ -89,12 +90,17 @@ def move_aside(out_dir: Path) -> Path | None:
 
 # flags that decide which samples the run trains on, in what order: a resume must keep them
 DATA_FLAGS = ("model", "data", "text_field", "objective", "seed", "seq_len", "curriculum")
+LABELS = {"scheduler": "the scheduler section", "task": "the embedded task"}  # names in the refusal
+# the embedded task of checkpoints that recorded none (before PASSKEY_TASK was recorded)
+OLDER_PASSKEY_TASK = "passkey retrieval, 16 passkeys drawn at random per row"
 
 
 def training_flags(args: argparse.Namespace, scheduler: dict[str, Any] | None) -> dict[str, Any]:
-    """What a checkpoint records of the run's flags (``DATA_FLAGS``, the lr schedule section)."""
+    """What a checkpoint records of the run's flags (``DATA_FLAGS``, the lr schedule section) and, for the
+    embedded task, which version of the task it trained on (``PASSKEY_TASK``)."""
     flags = {name: getattr(args, name) for name in DATA_FLAGS}  # --curriculum as given (None: the default)
     flags["scheduler"] = scheduler
+    flags["task"] = PASSKEY_TASK if args.data is None else None
     return flags
 
 
@@ -103,9 +109,9 @@ def check_resumed_flags(saved: dict[str, Any] | None, now: dict[str, Any], tag: 
     ``training_flags``; None for checkpoints of older versions, which recorded none)."""
     if saved is None:
         return
+    saved = {"task": OLDER_PASSKEY_TASK if saved.get("data", 1) is None else None, **saved}
     changed = [
-        f"{'--' + name.replace('_', '-') if name != 'scheduler' else 'the scheduler section'}: "
-        f"{saved.get(name)!r} -> {now[name]!r}"
+        f"{LABELS.get(name, '--' + name.replace('_', '-'))}: {saved.get(name)!r} -> {now[name]!r}"
         for name in now
         if name in saved and saved[name] != now[name]
     ]

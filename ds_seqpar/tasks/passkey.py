@@ -10,6 +10,8 @@ another rank. Chance accuracy is 1 / num_keys.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.utils.data import Dataset
 
@@ -50,6 +52,7 @@ class PasskeyTask:
                 f"passkey seq_len={seq_len} must be >= {2 * nq + self.prefix + 1} (2 x num_questions + prefix + 1)"
             )
         ids = self.filler[torch.randint(len(self.filler), (seq_len,), generator=generator)]
+        # always drawn, so the filler and the passkey's place are those of the unbalanced stream
         drawn = torch.randint(len(self.keys), (1,), generator=generator)
         key = self.keys[drawn if key_index is None else torch.tensor([key_index])]
         start = int(torch.randint(0, seq_len // 2 - self.prefix + 1, (1,), generator=generator))
@@ -92,6 +95,7 @@ class PasskeyDataset(Dataset):
         return int(order[place])
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        index = operator.index(index)  # numpy and 0-d tensor indexes too
         if not 0 <= index < self.num_samples:
             raise IndexError(f"passkey sample {index} is out of range 0..{self.num_samples - 1}")
         generator = torch.Generator().manual_seed(self.seed + index)
@@ -99,5 +103,6 @@ class PasskeyDataset(Dataset):
 
 
 def _block_seed(seed: int, block: int) -> int:
-    """The seed of one block's passkey order (distinct from the samples' own seeds ``seed + i``)."""
+    """The seed of one block's passkey order (it may equal some sample's seed ``seed + i``: the two
+    generators draw different things, a permutation and a row)."""
     return (seed * 2_654_435_761 + 97 * block + 1) % 2**63

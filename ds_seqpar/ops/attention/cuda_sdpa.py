@@ -29,6 +29,9 @@ from ds_seqpar.ops.attention.contract import AttentionKernel
 NEG_INF = float("-inf")
 LSE_ROWS = 32  # the efficient op's log-sum-exp is padded to a multiple of this many rows
 BIAS_ALIGN = 16  # the efficient op wants the bias's last dim aligned to this many elements
+HALF_ALIGN = (
+    32  # half-precision efficient-op blocks run in fp32 unless Sq and Sk are multiples (efficient_in_fp32)
+)
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -58,19 +61,25 @@ def use_flash(
     return mask is None and square and q.dtype in FLASH_DTYPES and d % 8 == 0 and d <= 256
 
 
-def efficient_in_fp32(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> bool:
-    """Whether a half-precision block that goes to the efficient op runs it in float32 instead.
+def efficient_in_fp32(
+    q: torch.Tensor, mask: torch.Tensor | None, causal: bool = False, sk: int | None = None
+) -> bool:
+    """Whether a half-precision block (``q [B, Sq, H, D]`` against ``sk`` keys) that goes to the efficient
+    op runs it in float32 instead.
 
     Measured on an H200 (torch 2.11, ``benchmarks/results/gpu_check.md``): the efficient op with a bias
     in fp16 / bf16 returned errors of 0.7 to 246 (relative to the output's max) on blocks of 257 queries
-    x 193 or 257 keys (batch 2), while float32 on the same blocks, and bf16 on 255 x 255 and 256 x 256
-    blocks (batch 1), were exact. Until a GPU run pins the trigger down, every half-precision
-    efficient-op block whose Sq or Sk is not a multiple of ``LSE_ROWS`` runs in float32 (slower, exact);
-    aligned blocks stay in half precision.
+    x 193 or 257 keys (batch 2, the bias then a stride-0 expand over the batch), while float32 on the same
+    blocks, and bf16 on 255 x 255 and 256 x 256 blocks (batch 1), were exact. The trigger is not pinned
+    down (a length of 32k + 1, the batch, the stride-0 bias), so every half-precision efficient-op block
+    whose Sq or Sk is not a multiple of ``HALF_ALIGN`` runs in float32 (slower, exact), blocks without a
+    mask too (rectangular causal, head dims the flash op does not take: not measured); aligned blocks stay
+    in half precision. ``benchmarks/gpu_check.py``'s ``efficient_raw`` rows run the op in half precision
+    on such blocks, bypassing this rule, to narrow it.
     """
-    if q.dtype not in FLASH_DTYPES or use_flash(q, mask, causal, k.shape[1]):
+    if q.dtype not in FLASH_DTYPES or use_flash(q, mask, causal, sk):
         return False
-    return q.shape[1] % LSE_ROWS != 0 or k.shape[1] % LSE_ROWS != 0
+    return q.shape[1] % HALF_ALIGN != 0 or (sk if sk is not None else q.shape[1]) % HALF_ALIGN != 0
 
 
 def _heads_first(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -110,7 +119,7 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [B, Sq, H, D]``, ``k, v [B, Sk, H_kv, D]`` -> ``out [B, Sq, H, D]`` (q.dtype), ``lse [B, H, Sq]`` fp32."""
     refuse_softcap("cuda_sdpa", softcap)
-    if efficient_in_fp32(q, k, mask, causal):
+    if efficient_in_fp32(q, mask, causal, k.shape[1]):
         out, lse = forward(q.float(), k.float(), v.float(), scale, mask, causal)
         return out.to(q.dtype), lse
     aten = torch.ops.aten
@@ -148,7 +157,7 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients given the FINAL ``out [B, Sq, H, D]`` / ``lse [B, H, Sq]`` (finite) of the rows."""
     refuse_softcap("cuda_sdpa", softcap)
-    if efficient_in_fp32(q, k, mask, causal):
+    if efficient_in_fp32(q, mask, causal, k.shape[1]):
         grads = backward(dout.float(), q.float(), k.float(), v.float(), out, lse, scale, mask, causal)
         return tuple(g.to(q.dtype) for g in grads)  # type: ignore[return-value]
     aten = torch.ops.aten

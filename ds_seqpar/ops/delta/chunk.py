@@ -38,8 +38,8 @@ Fused CUDA path: when flash-linear-attention (``fla``) imports and the tensors a
 (``chunk_gated_delta_rule`` for no / per-head decay, ``chunk_kda`` for the per-channel decay) with an
 initial state: M is the final state of a run with V = 0 from S_0 = I, N of a run with V from 0, the
 outputs of a run from the entering state, the correction of a run with V = 0 from it. They are
-registered in ``ops/fla.py``, which compares each with the PyTorch chunk form on first use (outputs and
-final state, from a random initial state). ``DS_SEQPAR_NO_FLA=1`` turns the path off. The ground truth
+registered in ``ops/fla.py``, which compares each with the PyTorch chunk form on first use (outputs,
+final state and the gradients of every input, the gate and a random initial state). ``DS_SEQPAR_NO_FLA=1`` turns the path off. The ground truth
 (the token-by-token recurrence) is ``reference.py``.
 """
 
@@ -303,8 +303,8 @@ def _fused_run(piece: FusedDeltaPiece, v: torch.Tensor, initial: torch.Tensor | 
 
 
 def _compare(per_channel: bool) -> Callable:
-    """fla against the PyTorch chunk form (outputs, final state and the gradients of q, k, v, beta, from a
-    random initial state)."""
+    """fla against the PyTorch chunk form: outputs, final state and the gradients of q, k, v, beta, the gate
+    and the initial state (random)."""
 
     def compare(kernel: Callable, device: torch.device, dtype: torch.dtype) -> list:
         gen = torch.Generator(device="cpu").manual_seed(0)
@@ -315,10 +315,14 @@ def _compare(per_channel: bool) -> Callable:
         beta = torch.rand(b, s, h, generator=gen)
         g = -torch.rand(*((b, s, h, d) if per_channel else (b, s, h)), generator=gen) * 0.2
         init = torch.randn(b, h, d, d, generator=gen)
-        ref = [x.clone().requires_grad_() for x in (q, k, v, beta)]
-        want = piece_outputs(_torch_piece(*ref[:3], ref[3], g, 16, 0.25), init)  # never the fused path
-        fused = [x.to(device, dtype).requires_grad_() for x in (q, k, v, beta)]
-        got = _fla_run(kernel, *fused[:3], g.to(device), fused[3], 0.25, init.to(device))
+        # leaves: q, k, v, beta, the gate (learned) and the initial state (the SP path's entering state)
+        ref = [x.clone().requires_grad_() for x in (q, k, v, beta, g, init)]
+        want = piece_outputs(_torch_piece(*ref[:4], ref[4], 16, 0.25), ref[5])  # never the fused path
+        fused = [
+            x.to(device, dtype if i < 4 else torch.float32).requires_grad_()
+            for i, x in enumerate((q, k, v, beta, g, init))
+        ]
+        got = _fla_run(kernel, *fused[:3], fused[4], fused[3], 0.25, fused[5])
         return list(zip(outputs_and_grads(got, fused), outputs_and_grads(want, ref), strict=True))
 
     return compare

@@ -189,14 +189,17 @@ def _fla_run(kernel: Callable, q, k, v, g, scale: float) -> tuple[torch.Tensor, 
 
 
 def _compare(gate: bool) -> Callable:
+    """fla against the PyTorch chunk form: outputs, final state and the gradients of q, k, v and the decay."""
+
     def compare(kernel: Callable, device: torch.device, dtype: torch.dtype) -> list:
         gen = torch.Generator(device="cpu").manual_seed(0)
         xs = [torch.randn(1, 71, 2, 16, generator=gen).mul(0.5).to(device, dtype) for _ in range(3)]
         shape = (1, 71, 2, 16) if gate else (2,)
         log_decay = (-torch.rand(shape, generator=gen) * 0.2).to(device, torch.float32)
-        fused, ref = ([x.clone().requires_grad_() for x in xs] for _ in range(2))
-        got = _fla_run(kernel, *fused, _fla_inputs(xs[0], log_decay)[1], 0.25)
-        want = chunk_linear_attention(*ref, log_decay, scale=0.25)
+        # q, k, v and the log decay (learned in GLA and Mamba2) as leaves of each side
+        fused, ref = ([x.clone().requires_grad_() for x in (*xs, log_decay)] for _ in range(2))
+        got = _fla_run(kernel, *fused[:3], _fla_inputs(xs[0], fused[3])[1], 0.25)
+        want = chunk_linear_attention(*ref[:3], ref[3], scale=0.25)
         return list(zip(outputs_and_grads(got, fused), outputs_and_grads(want, ref), strict=True))
 
     return compare
