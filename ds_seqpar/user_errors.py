@@ -7,8 +7,9 @@ its traceback it would appear N times, buried above the launcher's failure repor
 
 * the first rank of the job that reaches the report (a lock file keyed by the launcher process)
   reports it and exits with code 2; every other rank exits with code 0 at once, quietly, so the
-  launcher's summary names one failed rank; the reporting rank removes the lock file just before
-  its exit (after ``WINNER_EXIT_DELAY_S``, by when the other ranks have gone);
+  launcher's summary names one failed rank; the lock stays while the launcher lives (a rank slowed
+  by a loaded machine may reach the report long after the first), and the next job that claims a
+  lock on this machine removes the locks of launchers that have gone;
 * under ``torchrun`` the report goes into torchrun's error file (``TORCHELASTIC_ERROR_FILE``), which
   torchrun prints as the ``traceback`` line at the end of its failure summary (so does a multi-process
   ``accelerate launch``, which runs torch elastic); under DeepSpeed's launcher and in a single process
@@ -53,25 +54,44 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+LOCK_PREFIX = "ds_seqpar-error-"
+
+
+def _started(pid: int) -> int:
+    """When process ``pid`` started (whole seconds of its /proc entry), 0 when it is gone."""
+    try:
+        return int(os.stat(f"/proc/{pid}").st_ctime)
+    except OSError:
+        return 0
+
+
 def _job_key() -> str:
     """Identifies this job among the processes of one machine: the launcher (parent) pid and its start."""
     ppid = os.getppid()
-    try:
-        started = int(os.stat(f"/proc/{ppid}").st_ctime)
-    except OSError:
-        started = 0
     launcher = "-".join(
         os.environ.get(k, "") for k in ("MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
     )
-    return f"{ppid}-{started}-{launcher}"
-
-
-_CLAIMED: list[str] = []  # the lock file this process created (removed by _release_report)
+    return f"{ppid}-{_started(ppid)}-{launcher}"
 
 
 def _lock_path() -> str:
     """The job's report lock: a 0-byte file in the temp directory, created by the reporting rank."""
-    return os.path.join(tempfile.gettempdir(), f"ds_seqpar-error-{_job_key()}")
+    return os.path.join(tempfile.gettempdir(), LOCK_PREFIX + _job_key())
+
+
+def _remove_gone_locks(directory: str) -> None:
+    """Remove the report locks of launchers that are no longer running (their pid gone or reused)."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if not name.startswith(LOCK_PREFIX):
+                continue
+            pid, _, rest = name.removeprefix(LOCK_PREFIX).partition("-")
+            started = rest.partition("-")[0]
+            if not (pid.isdigit() and started.isdigit()):
+                continue
+            if started == "0" or _started(int(pid)) != int(started):
+                with contextlib.suppress(OSError):  # another job removed it first
+                    os.remove(os.path.join(directory, name))
 
 
 def _claim_report() -> bool:
@@ -86,7 +106,7 @@ def _claim_report() -> bool:
     except OSError:  # no writable temp dir: fall back to rank 0
         return os.environ.get("RANK", "0") == "0"
     os.close(fd)
-    _CLAIMED.append(path)
+    _remove_gone_locks(os.path.dirname(path))
     return True
 
 
@@ -126,16 +146,8 @@ def report(exc: BaseException) -> NoReturn:
     else:
         print(text, file=sys.stderr, flush=True)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        time.sleep(WINNER_EXIT_DELAY_S)  # the other ranks have found the lock and exited by now
-        _release_report()
+        time.sleep(WINNER_EXIT_DELAY_S)  # the other ranks usually find the lock and exit first
     os._exit(EXIT_CODE)
-
-
-def _release_report() -> None:
-    """Remove the report lock this process created (the reporting rank, just before it exits)."""
-    while _CLAIMED:
-        with contextlib.suppress(OSError):  # already gone
-            os.remove(_CLAIMED.pop())
 
 
 def run_main(main: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -174,6 +174,25 @@ def test_the_report_lock_is_per_launch_attempt(monkeypatch):
     assert _job_key() != first  # a torchrun restart reports its own error again
 
 
+def test_the_report_lock_outlives_the_reporting_rank(monkeypatch, tmp_path):
+    """A slow rank that reaches the report after the first one has exited still finds the lock."""
+    import os
+
+    from ds_seqpar import user_errors
+
+    monkeypatch.setattr(user_errors.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    gone = tmp_path / f"{user_errors.LOCK_PREFIX}999999999-12345-29500--"
+    alive = tmp_path / f"{user_errors.LOCK_PREFIX}{os.getpid()}-{user_errors._started(os.getpid())}-1--"
+    other = tmp_path / "unrelated-file"
+    for path in (gone, alive, other):
+        path.write_bytes(b"")
+    assert user_errors._claim_report()  # the first rank reports
+    assert not gone.exists() and alive.exists() and other.exists()  # a gone launcher's lock is swept
+    assert not user_errors._claim_report()  # a late rank of the same job stays quiet
+    assert not user_errors._claim_report()
+
+
 def test_a_universal_conversion_older_than_its_checkpoint_is_stale(tmp_path):
     import os
 
