@@ -126,6 +126,7 @@ def shard_batch(
         positions = torch.arange(s0).expand(b, s0)
     positions = torch.as_tensor(positions).long()
     doc_ids = _doc_ids(positions, attn, packed, padded_end=masked and seq_len > s0, seq_len=seq_len)
+    layout = layout.for_batch(doc_ids)  # ring.layout='documents': this batch's document placement
     rank = mesh.coords.sp_rank
     return {
         "input_ids": layout.shard(_pad_right(ids, seq_len, pad_token_id), rank),

@@ -237,10 +237,12 @@ class SeqParSettings:
         return UspLayout(spec.ring_layout(base, params), self.ulysses_degree, spec.pieces(params))
 
 
-def input_layout(mesh_or_settings: Any) -> UspLayout:
-    """The layout the data side must shard with, for a ``SeqParMesh`` or its ``SeqParSettings``."""
+def input_layout(mesh_or_settings: Any, doc_ids: Any = None) -> UspLayout:
+    """The layout the data side must shard with, for a ``SeqParMesh`` or its ``SeqParSettings``; with the
+    batch's ``doc_ids`` (global order), that batch's layout (a document placement under
+    ``ring.layout='documents'``, else the same)."""
     settings = mesh_or_settings if isinstance(mesh_or_settings, SeqParSettings) else mesh_or_settings.settings
-    return settings.input_layout()
+    return settings.input_layout().for_batch(doc_ids)
 
 
 def resolve_settings(

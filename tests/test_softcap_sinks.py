@@ -57,7 +57,7 @@ def run_cases(cases: list[AttentionCase]) -> list[dict[str, float]]:
     results = []
     for i, case in enumerate(cases):
         mesh = mesh_for(case.section(world))
-        layout = ds_seqpar.input_layout(mesh)
+        layout = ds_seqpar.input_layout(mesh, case.doc_ids())
         dtype, seq_len, h, h_kv = case.dtype, case.seq_len, case.h, case.h_kv
         g = torch.Generator().manual_seed(i)
         q, k, v, dout = (
@@ -107,6 +107,7 @@ def _cases(p: int) -> list[AttentionCase]:
         replace(ring, h_kv=4, layout="stripe", causal=False),
         replace(ring, h_kv=2, schedule="all_gather", layout="contiguous"),
         replace(ring, h_kv=2, window=7),
+        replace(ring, h_kv=2, layout="documents", cu_seqlens=(0, 3, s // 2 + 1, s - 5)),  # a placement
         replace(both, u=p // 2, h=6, h_kv=2),  # USP with uneven heads at P=4 (U=2: 3 + 3)
         replace(both, u=p // 2, h=8, h_kv=2, dtype=torch.float32),
         replace(ring, h_kv=2, attention="sparse_ring", sparse="stripe"),

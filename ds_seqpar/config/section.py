@@ -361,6 +361,7 @@ class SequenceParallelConfig(_Section):
         elif self.attention == "ring":
             check_ring(self, 1)
         SCHEDULES[self.ring.schedule].check_section(self.ring)
+        self._check_placement()
         self._check_sparse()
         self._check_schedule_keys()
         if not LAYOUTS[self.ring.layout].takes_granularity and self.ring.granularity != 1:
@@ -370,6 +371,24 @@ class SequenceParallelConfig(_Section):
                 f"'{self.ring.layout}'); valid: remove granularity or set ring.{only}"
             )
         return self
+
+    def _check_placement(self) -> None:
+        """A per-batch document placement needs a schedule on the ring layout's own ranks, and dense attention."""
+        if not LAYOUTS[self.ring.layout].per_batch:
+            return
+        layout = self.ring.layout
+        if self.attention == "sparse_ring":
+            raise ValueError(
+                f"sequence_parallel.ring.layout='{layout}' places each batch's documents, which attention="
+                "'sparse_ring' does not follow; valid: attention 'usp', 'ring' or 'ulysses', or another ring.layout"
+            )
+        if not SCHEDULES[self.ring.schedule].places_documents:
+            valid = ", ".join(f"'{n}'" for n, spec in SCHEDULES.items() if spec.places_documents)
+            raise ValueError(
+                f"sequence_parallel.ring.layout='{layout}' places each batch's documents on the ring ranks, which "
+                f"ring.schedule='{self.ring.schedule}' regroups into teams or pieces; valid: ring.schedule {valid}, "
+                "or another ring.layout"
+            )
 
     def _check_sparse(self) -> None:
         sparse = self.sparse

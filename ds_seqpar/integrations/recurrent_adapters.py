@@ -46,7 +46,7 @@ def _real_tokens(ctx: Any, batch: int) -> torch.Tensor | None:
     if ctx.doc_ids is None:
         return None
     real = ctx.doc_ids if ctx.doc_ids.dim() == 2 else ctx.doc_ids.expand(batch, -1)
-    return (input_layout(ctx.mesh).shard(real, ctx.mesh.coords.sp_rank, dim=1) >= 0)[:, :, None]
+    return (input_layout(ctx.mesh, ctx.doc_ids).shard(real, ctx.mesh.coords.sp_rank, dim=1) >= 0)[:, :, None]
 
 
 def _zero_padding(keep: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ classes.
 
 from ds_seqpar.layout.base import Layout, LayoutError, padded_length
 from ds_seqpar.layout.composite import BlockLayout, GroupLayout, PieceLayout, UspLayout, piece_multiple
-from ds_seqpar.layout.documents import doc_ids_from_cu_seqlens, positions_from_cu_seqlens
+from ds_seqpar.layout.documents import doc_ids_from_cu_seqlens, document_lengths, positions_from_cu_seqlens
+from ds_seqpar.layout.placement import Placement, layout_work, place_documents, token_work
 from ds_seqpar.layout.ring import (
     LAYOUTS,
     ContiguousLayout,
@@ -30,6 +31,7 @@ __all__ = [
     "Layout",
     "LayoutError",
     "PieceLayout",
+    "Placement",
     "RingLayout",
     "SeqLayout",
     "StripeLayout",
@@ -37,9 +39,13 @@ __all__ = [
     "UspLayout",
     "ZigzagLayout",
     "doc_ids_from_cu_seqlens",
+    "document_lengths",
+    "layout_work",
     "padded_length",
     "piece_multiple",
+    "place_documents",
     "positions_from_cu_seqlens",
     "register_layout",
     "ring_layout",
+    "token_work",
 ]

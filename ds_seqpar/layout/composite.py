@@ -66,6 +66,14 @@ class UspLayout(Layout):
         pieces = f" with {self.pieces} TASP pieces per segment" if self.pieces > 1 else ""
         return f"layout='{self.ring.name}' over {self.ring.world} ring ranks x ulysses degree {self.ulysses}{pieces}"
 
+    def for_batch(self, doc_ids: torch.Tensor | None) -> UspLayout:
+        """This layout for a batch with these document ids (global order): the ring layout's
+        ``for_batch`` (a document placement under ``ring.layout='documents'``), split into U pieces."""
+        if doc_ids is None:
+            return self
+        ring = self.ring.for_batch(doc_ids)
+        return self if ring is self.ring else UspLayout(ring, self.ulysses, self.pieces)
+
     def local_positions(self, seq_len: int, rank: int) -> torch.Tensor:
         self.check_length(seq_len)
         self.check_rank(rank)

@@ -13,7 +13,7 @@ import torch
 
 from ds_seqpar.layout.base import LayoutError
 
-__all__ = ["doc_ids_from_cu_seqlens", "positions_from_cu_seqlens"]
+__all__ = ["doc_ids_from_cu_seqlens", "document_lengths", "positions_from_cu_seqlens"]
 
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int], seq_len: int) -> torch.Tensor:
@@ -49,3 +49,24 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int], seq_len:
     end = int(cu[-1])
     pos[end:] -= int(cu[-2])  # padding continues the last document's positions
     return pos
+
+
+def document_lengths(doc_ids: torch.Tensor) -> list[int]:
+    """Lengths of the runs of equal document ids of a packed row ``[S]`` (or ``[B, S]`` whose rows all
+    have the same runs), in row order; a trailing run of padding (id < 0) is left out. Host work."""
+    ids = doc_ids if doc_ids.dim() == 1 else doc_ids[0]
+    if doc_ids.dim() == 2 and doc_ids.shape[0] > 1:
+        starts = doc_ids[:, 1:] != doc_ids[:, :-1]
+        if not bool((starts == starts[:1]).all()) or not bool(((doc_ids < 0) == (ids < 0)).all()):
+            raise LayoutError(
+                "ring.layout='documents' places one set of documents per micro-batch, but the rows of this "
+                f"batch [B={doc_ids.shape[0]}, S={doc_ids.shape[1]}] have different document boundaries; use a "
+                "micro-batch of one packed row per SP group, or another ring.layout (e.g. 'zigzag')"
+            )
+    ids = ids.to("cpu")
+    cuts = torch.nonzero(ids[1:] != ids[:-1]).reshape(-1) + 1
+    bounds = [0, *cuts.tolist(), ids.numel()]
+    runs = [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+    if runs and int(ids[runs[-1][0]]) < 0:
+        runs.pop()
+    return [b - a for a, b in runs]

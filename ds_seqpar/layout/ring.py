@@ -59,6 +59,7 @@ class RingLayout(Layout):
     summary: ClassVar[str] = ""  # one line for the config's description and the docs
     segment_count: ClassVar[int] = 1  # segments per rank (runs the engine classifies separately)
     takes_granularity: ClassVar[bool] = False
+    per_batch: ClassVar[bool] = False  # ``for_batch`` places each batch's documents (its runs vary per batch)
 
     def __post_init__(self) -> None:
         if self.world < 1:
@@ -99,6 +100,11 @@ class RingLayout(Layout):
     def for_teams(self, team: int) -> RingLayout:
         """The balanced layout when teams of ``team`` ranks compute their query rows together (StarTrail):
         this layout itself, unless it balances by pairing chunks (zigzag)."""
+        return self
+
+    def for_batch(self, doc_ids: torch.Tensor) -> Layout:
+        """The layout of a batch whose document ids (global order, ``[S]`` / ``[B, S]``) are ``doc_ids``:
+        this layout itself, unless it places each batch's documents (``layout/placement.py``)."""
         return self
 
 

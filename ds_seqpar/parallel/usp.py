@@ -171,7 +171,7 @@ def attention(
         pattern. A query that sees no key (padding, doc id < 0) outputs 0.
     """
     settings = mesh.settings
-    layout = settings.input_layout()
+    layout = settings.input_layout().for_batch(doc_ids)  # ring.layout='documents': the batch's placement
     seq_len = _check(q, k, v, mesh, layout, positions, doc_ids, sinks)
     softcap = check_softcap(softcap)
     resolve_kernel(

@@ -110,6 +110,7 @@ class Attention2DSpec(ScheduleSpec):
     name = "attention2d"
     summary = "grid of P_q x P_kv ranks: Q gathered along rows, K/V along columns, outputs merged along rows"
     owns = ("grid",)
+    places_documents = False
     runner = "team"
 
     def check_section(self, ring: Any) -> None:

@@ -179,6 +179,8 @@ class ScheduleSpec:
         owns: ``sequence_parallel.ring`` keys only this schedule reads (set with another one: refused).
         double_ring: whether ``ring.inner_size`` (a double ring) composes with it.
         sparse_ring: whether ``attention: "sparse_ring"`` runs on it.
+        places_documents: whether it runs on a per-batch document placement (``ring.layout='documents'``):
+            its K/V owners and query rows are the ring layout's own ranks, not teams or pieces of them.
         runner: ``"ring"`` (``parallel/ring/``'s engine on this rank's rows) or ``"team"`` (``parallel/team.py``).
     """
 
@@ -187,6 +189,7 @@ class ScheduleSpec:
     owns: ClassVar[tuple[str, ...]] = ()
     double_ring: ClassVar[bool] = False
     sparse_ring: ClassVar[bool] = False
+    places_documents: ClassVar[bool] = True
     runner: ClassVar[str] = "ring"
 
     # configuration -------------------------------------------------------------------------

@@ -203,6 +203,7 @@ class StarTrailSpec(ScheduleSpec):
         "inter-node bytes / team_size"
     )
     owns = ("team_size", "startrail_backward")
+    places_documents = False
     runner = "team"
 
     def check_section(self, ring: Any) -> None:

@@ -312,6 +312,7 @@ class TaspSpec(ScheduleSpec):
         "link of an all-to-all node busy"
     )
     double_ring = True
+    places_documents = False
 
     def check_degree(self, ring: Any, ring_degree: int) -> None:
         inner = ring.inner_size
