@@ -28,7 +28,8 @@ def run_usp_cases(cases: list[AttentionCase]) -> list[dict]:
     results = []
     for case in cases:
         mesh = usp_mesh(case, world)
-        layout = ds_seqpar.input_layout(mesh, case.doc_ids())  # ring.layout='documents': the batch's placement
+        # with ring.layout='documents' the layout is the batch's placement
+        layout = ds_seqpar.input_layout(mesh, case.doc_ids())
         seq_len, h, h_kv, dtype = case.seq_len, case.h, case.h_kv, case.dtype
         g = torch.Generator().manual_seed(case.seed)
         q, k, v, dout = (
