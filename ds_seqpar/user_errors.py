@@ -7,9 +7,11 @@ its traceback it would appear N times, buried above the launcher's failure repor
 
 * the first rank of the job that reaches the report (a lock file keyed by the launcher process)
   reports it and exits with code 2; every other rank exits with code 0 at once, quietly, so the
-  launcher's summary names one failed rank; the lock stays while the launcher lives (a rank slowed
-  by a loaded machine may reach the report long after the first), and the next job that claims a
-  lock on this machine removes the locks of launchers that have gone;
+  launcher's summary names one failed rank. Every rank that reaches the report adds a byte to the
+  lock; the reporting rank waits (up to ``WINNER_WAIT_S``) until all of the machine's ranks have, then
+  removes it and exits. A rank slowed by a loaded machine therefore still finds the lock, however
+  late; a lock left by ranks that never got there is removed by the next job that claims one on this
+  machine, once its launcher has gone;
 * under ``torchrun`` the report goes into torchrun's error file (``TORCHELASTIC_ERROR_FILE``), which
   torchrun prints as the ``traceback`` line at the end of its failure summary (so does a multi-process
   ``accelerate launch``, which runs torch elastic); under DeepSpeed's launcher and in a single process
@@ -39,7 +41,8 @@ from ds_seqpar.layout import LayoutError
 
 DEBUG_ENV = "DS_SEQPAR_DEBUG"
 EXIT_CODE = 2
-WINNER_EXIT_DELAY_S = 1.0  # the other ranks exit first, so the launcher reports this rank alone
+WINNER_WAIT_S = 10.0  # the reporting rank waits up to this long for the machine's other ranks to exit
+WINNER_POLL_S = 0.05
 
 
 class UsageError(SeqParConfigError):
@@ -94,6 +97,14 @@ def _remove_gone_locks(directory: str) -> None:
                     os.remove(os.path.join(directory, name))
 
 
+def _local_ranks() -> int:
+    """The job's ranks on this machine (torchrun / accelerate: LOCAL_WORLD_SIZE; DeepSpeed: LOCAL_SIZE)."""
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "WORLD_SIZE"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 1
+
+
 def _claim_report() -> bool:
     """True for the first rank of this job (on this machine) that asks; False for every later one."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
@@ -102,12 +113,27 @@ def _claim_report() -> bool:
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
+        _count_and_release(path)
         return False
     except OSError:  # no writable temp dir: fall back to rank 0
         return os.environ.get("RANK", "0") == "0"
+    os.write(fd, b"r")
     os.close(fd)
     _remove_gone_locks(os.path.dirname(path))
     return True
+
+
+def _count_and_release(path: str) -> None:
+    """Add this rank's byte to the lock (appends of one byte are atomic); the machine's last rank removes it."""
+    with contextlib.suppress(OSError):  # removed meanwhile: nothing left to do
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        try:
+            os.write(fd, b"r")
+            seen = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if seen >= _local_ranks():
+            os.remove(path)  # the reporting rank may be gone already
 
 
 def format_report(exc: BaseException) -> str:
@@ -146,8 +172,23 @@ def report(exc: BaseException) -> NoReturn:
     else:
         print(text, file=sys.stderr, flush=True)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        time.sleep(WINNER_EXIT_DELAY_S)  # the other ranks usually find the lock and exit first
+        _wait_for_the_others()
     os._exit(EXIT_CODE)
+
+
+def _wait_for_the_others() -> None:
+    """The reporting rank: wait until every rank of this machine has found the lock (and exited quietly),
+    so the launcher reports this rank alone, then remove the lock; after ``WINNER_WAIT_S`` leave it (a
+    rank still on its way must find it; the next claim on this machine removes it)."""
+    path, deadline = _lock_path(), time.monotonic() + WINNER_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            if os.stat(path).st_size >= _local_ranks():
+                os.remove(path)
+                return
+        except OSError:
+            return
+        time.sleep(WINNER_POLL_S)
 
 
 def run_main(main: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -175,8 +175,10 @@ def test_the_report_lock_is_per_launch_attempt(monkeypatch):
 
 
 def test_the_report_lock_outlives_the_reporting_rank(monkeypatch, tmp_path):
-    """A slow rank that reaches the report after the first one has exited still finds the lock."""
+    """A slow rank that reaches the report after the first one has exited still finds the lock; the
+    machine's last rank removes it."""
     import os
+    from pathlib import Path
 
     from ds_seqpar import user_errors
 
@@ -187,10 +189,14 @@ def test_the_report_lock_outlives_the_reporting_rank(monkeypatch, tmp_path):
     other = tmp_path / "unrelated-file"
     for path in (gone, alive, other):
         path.write_bytes(b"")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     assert user_errors._claim_report()  # the first rank reports
     assert not gone.exists() and alive.exists() and other.exists()  # a gone launcher's lock is swept
-    assert not user_errors._claim_report()  # a late rank of the same job stays quiet
-    assert not user_errors._claim_report()
+    lock = Path(user_errors._lock_path())
+    assert not user_errors._claim_report()  # a late rank of the same job stays quiet, however late
+    assert lock.exists()
+    assert not user_errors._claim_report()  # the machine's last rank removes the lock
+    assert not lock.exists()
 
 
 def test_a_universal_conversion_older_than_its_checkpoint_is_stale(tmp_path):
