@@ -9,8 +9,9 @@ Rows: the first ``--rows`` rows of each mix in ``benchmarks/lengths/``, their do
 ``ds_seqpar.attention`` (causal, H = H_kv = 8, D = 64, fp32) on the meshes with a ring (U x R = 1 x P and
 2 x P/2) under ``ring.layout`` zigzag and documents, and the no-communication reference (every rank runs
 each document's causal kernel call on H / P heads, no collective: perfect balance, no SP cost). Reports
-the slowest rank's median time, its ratio to the reference and the measured balance of the work
-(max / mean of the visible pairs each rank computed). Saves ``benchmarks/results/placement_cpu.json``
+the slowest rank's median time, its ratio to the reference, the measured balance of the work (max / mean
+of the visible pairs each rank computed) and the ring's step critical path (the sum over ring steps of
+the busiest rank's pairs, over the ideal: what a lockstep ring waits for). Saves ``benchmarks/results/placement_cpu.json``
 and ``.md``.
 """
 
@@ -50,6 +51,22 @@ def scaled_rows(seq_len: int, count: int) -> dict[str, list[int]]:
     return rows
 
 
+def step_critical_path(layout, docs: torch.Tensor, seq_len: int, world: int) -> float:
+    """Sum over ring steps of the busiest rank's pairs, over the ideal (all pairs / R): what a lockstep ring
+    waits for when each rank's pairs of a step cost their count (1.00 = every step balanced)."""
+    steps = []
+    for t in range(world):
+        busiest = 0
+        for r in range(world):
+            qp, kp = layout.local_positions(seq_len, r), layout.local_positions(seq_len, (r - t) % world)
+            qd, kd = docs[qp], docs[kp]
+            seen = (qp[:, None] >= kp[None, :]) & (qd[:, None] == kd[None, :]) & (qd[:, None] >= 0)
+            busiest = max(busiest, int(seen.sum()))
+        steps.append(busiest)
+    total = int(((docs[:, None] == docs[None, :]) & (docs[:, None] >= 0)).tril().sum())
+    return sum(steps) * world / max(total, 1)
+
+
 def measure(mesh: SeqParMesh, seq_len: int, cu: list[int], reps: int) -> tuple[float, float]:
     """(slowest rank's median fwd+bwd seconds, max / mean forward pairs over ranks)."""
     docs = doc_ids_from_cu_seqlens(cu, seq_len)
@@ -81,13 +98,17 @@ def main() -> None:
     for name, cu in scaled_rows(args.seq_len, args.rows).items():
         reference = measure_reference(world, H, D, cu, args.reps)
         results.append({"row": name, "docs": len(cu) - 1, "system": "reference: no communication",
-                        "time_s": reference, "balance": 1.0})  # fmt: skip
+                        "time_s": reference, "balance": 1.0, "critical": 1.0})  # fmt: skip
         for u in (1, 2):
             for layout in ("zigzag", "documents"):
                 section = {"size": world, "ulysses_degree": u, "ring": {"layout": layout}}
-                seconds, balance = measure(SeqParMesh.from_config(section), args.seq_len, cu, args.reps)
+                mesh = SeqParMesh.from_config(section)
+                seconds, balance = measure(mesh, args.seq_len, cu, args.reps)
+                docs = doc_ids_from_cu_seqlens(cu, args.seq_len)
+                ring = ds_seqpar.input_layout(mesh, docs).ring
                 results.append({"row": name, "docs": len(cu) - 1, "system": f"U{u} x R{world // u} {layout}",
-                                "time_s": seconds, "balance": balance})  # fmt: skip
+                                "time_s": seconds, "balance": balance,
+                                "critical": step_critical_path(ring, docs, args.seq_len, ring.world)})  # fmt: skip
     if dist.get_rank() == 0:
         for r in results:
             ref = next(
@@ -97,11 +118,12 @@ def main() -> None:
         title = (
             f"Packed rows of the shipped mixes scaled to S={args.seq_len}, causal fwd+bwd, H=H_kv={H}, D={D}, fp32, "
             f"{world} gloo CPU ranks (1 thread each), slowest rank, median of {args.reps}. x reference: time / the "
-            "no-communication reference's (1.00 = no SP cost). balance: max / mean of the pairs each rank computed."
+            "no-communication reference's (1.00 = no SP cost). balance: max / mean of the pairs each rank computed. "
+            "step critical path: the sum over ring steps of the busiest ring rank's pairs / (all pairs / R)."
         )
         columns = [("row", "row", "s"), ("documents", "docs", "d"), ("system", "system", "s"),
                    ("fwd+bwd (s)", "time_s", ".3f"), ("x reference", "vs_reference", ".2f"),
-                   ("balance", "balance", ".3f")]  # fmt: skip
+                   ("balance", "balance", ".3f"), ("step critical path", "critical", ".3f")]  # fmt: skip
         print(save_results("placement_cpu", title, vars(args) | {"world": world}, results, columns))
     dist.destroy_process_group()
 

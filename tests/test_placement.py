@@ -168,3 +168,19 @@ def test_the_docs_example_runs_as_written(capsys):
     exec(re.search(r"```python\n(.*?)```", doc, re.S).group(1), {})
     printed = capsys.readouterr().out
     assert "placement max/mean 1.0" in printed and "rank 0 holds" in printed
+
+
+def test_the_placement_balances_every_ring_step_where_zigzag_does_not():
+    from benchmarks.bench_placement import scaled_rows, step_critical_path
+    from ds_seqpar.layout import document_lengths
+
+    seq_len, world = 2048, 4
+    cu = scaled_rows(seq_len, 1)["longtail_128k row 0"]
+    docs = doc_ids_from_cu_seqlens(cu, seq_len)
+    placed = place_documents(document_lengths(docs), seq_len, world)
+    assert step_critical_path(placed, docs, seq_len, world) < 1.05
+    assert step_critical_path(ring_layout("zigzag", world), docs, seq_len, world) > 1.5
+    one = doc_ids_from_cu_seqlens([0, seq_len], seq_len)
+    assert step_critical_path(ring_layout("zigzag", world), one, seq_len, world) == pytest.approx(
+        1.0, abs=0.01
+    )
