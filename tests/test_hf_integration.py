@@ -84,12 +84,19 @@ def test_shard_that_is_all_padding_gives_finite_exact_results(dist_pool):
         assert rep["loss_err"] <= 1e-5 and rep["grad_rel_err"] <= 1e-5, rep
 
 
-def test_packed_batch_of_three_documents(dist_pool):
+@pytest.mark.parametrize(
+    ("layout", "u", "lengths"),
+    [
+        ("zigzag", 2, [21, 30, 13]),
+        ("documents", 1, [21, 30, 13]),  # ring.layout='documents': shard_batch and attention place alike
+        ("documents", 2, [3, 40, 5, 9, 7]),
+    ],
+)
+def test_packed_batch_of_documents(dist_pool, layout, u, lengths):
     """position_ids restart per document: attention must not cross documents."""
     batch = batches(1, 1, 64)[0]
-    lengths = [21, 30, 13]
     batch["position_ids"] = torch.cat([torch.arange(n) for n in lengths])[None]
-    for rep in dist_pool(4).run(sp_vs_reference, "llama", 2, "zigzag", batch):
+    for rep in dist_pool(4).run(sp_vs_reference, "llama", u, layout, batch):
         assert rep["loss_err"] <= 1e-5 and rep["grad_rel_err"] <= 1e-5, rep
 
 
