@@ -4,8 +4,8 @@ A ``TorchDispatchMode`` counts every op that makes the host wait for a device va
 (``aten._local_scalar_dense``: every ``.item()``, ``bool(tensor)``, ``int(tensor)``) or that has a
 data-dependent output shape (``nonzero``, ``masked_select``, ``unique``). The first call of
 ``ds_seqpar.attention`` on a batch builds and caches the block plan (classification, document cuts,
-masks); the second call, forward and backward, must count 0 for dense, packed documents and
-sliding-window attention on P in {2, 4, 8}, and for the sparse ring's step loop with the sync-free
+masks; under ``ring.layout='documents'`` also the batch's placement); the second call, forward and
+backward, must count 0 for dense, packed documents and sliding-window attention on P in {2, 4, 8}, and for the sparse ring's step loop with the sync-free
 sparse kernels (``masked``; ``triton`` under its CPU interpreter). Packed documents are also checked for exactness and for
 the work they save (pairs of different documents are never computed).
 """
@@ -87,12 +87,12 @@ def run_sync_cases(cases: list[AttentionCase]) -> list[dict]:
     out = []
     for i, case in enumerate(cases):
         mesh = mesh_for(case.section(world))
-        layout = ds_seqpar.input_layout(mesh)
+        docs = case.doc_ids()
+        layout = ds_seqpar.input_layout(mesh, docs)  # ring.layout='documents': placed once per batch
         s = case.seq_len
         g = torch.Generator().manual_seed(i)
         h = max(4, world)
         q, k, v, dout = (torch.randn(2, s, h, 8, generator=g, dtype=torch.float64) for _ in range(4))
-        docs = case.doc_ids()
         me = mesh.coords.sp_rank
         local = [layout.shard(t, me) for t in (q, k, v)]
         work = WorkCounter()
@@ -126,6 +126,7 @@ def _cases(p: int) -> list[AttentionCase]:
         replace(base, u=p, cu_seqlens=docs16),  # R = 1: one PARTIAL block, cut per document
         replace(base, layout="stripe", cu_seqlens=docs16, window=9),
         replace(base, cu_seqlens=(0, 5, s // 2 + 1, s - 3), kernel="torch"),
+        replace(base, layout="documents", cu_seqlens=(0, 5, s // 2 + 1, s - 3)),
     ]
 
 
