@@ -90,6 +90,7 @@ def test_shard_that_is_all_padding_gives_finite_exact_results(dist_pool):
         ("zigzag", 2, [21, 30, 13]),
         ("documents", 1, [21, 30, 13]),  # ring.layout='documents': shard_batch and attention place alike
         ("documents", 2, [3, 40, 5, 9, 7]),
+        ("documents", 1, [8] * 8),  # every document whole on one rank: the ring sends nothing
     ],
 )
 def test_packed_batch_of_documents(dist_pool, layout, u, lengths):

@@ -155,10 +155,34 @@ def _placed(p: int) -> list[AttentionCase]:
     return cases
 
 
+def _short(p: int) -> list[AttentionCase]:
+    """Rows of short documents (each fits one rank): placed whole, so the ring sends nothing."""
+    s = 16 * p
+    base = AttentionCase(layout="documents", seq_len=s, h=8, h_kv=8, seed=21)
+    cases = [
+        replace(base, u=1, cu_seqlens=tuple(range(0, s + 1, 4))),  # equal documents, no padding
+        replace(
+            base, u=1, cu_seqlens=tuple(range(0, 15 * p + 1, 5)), h_kv=2, window=3
+        ),  # padding, GQA, window
+    ]
+    if p >= 4:
+        cases.append(replace(base, u=2, cu_seqlens=tuple(range(0, 30 * (p // 2) + 1, 6))))  # U 2 x R p/2
+    return cases
+
+
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_the_placement_is_exact_on_every_mesh(dist_pool, p):
-    cases = _placed(p)
-    check_usp_cases(cases, dist_pool(p).run(run_usp_cases, cases))
+    cases = _placed(p) + _short(p)
+    results = dist_pool(p).run(run_usp_cases, cases)
+    check_usp_cases(cases, results)
+    for i in range(len(cases) - len(_short(p)), len(cases)):  # documents kept whole: no ring exchange
+        assert all("p2p" not in rank[i]["fwd"] and "p2p" not in rank[i]["bwd"] for rank in results), cases[i]
+
+
+def test_short_documents_are_placed_whole():
+    plan = place_documents([4, 3, 4, 3, 3, 4, 3, 4], 32, 4)
+    assert plan.whole and not plan.needs_exchange and plan.balance <= 1.02
+    assert place_documents([40], 40, 4).needs_exchange  # a document longer than a rank's share is cut
 
 
 def test_the_docs_example_runs_as_written(capsys):

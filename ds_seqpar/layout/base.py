@@ -50,6 +50,12 @@ class Layout:
         """What the length error says splits the sequence (e.g. ``layout='zigzag' over 4 ranks``)."""
         raise NotImplementedError
 
+    @property
+    def needs_exchange(self) -> bool:
+        """Whether some rank's queries see another rank's keys (False: a document placement that keeps
+        every document on one rank; the attention then runs on each rank alone)."""
+        return True
+
     def length_rule(self) -> str:
         """Why S must be a multiple of ``multiple``, for the length error."""
         return str(self.multiple)

@@ -15,13 +15,16 @@ aims to give each the same work:
    no rank has room for is cut across the ranks with room, least work first;
 3. padding fills the room that is left.
 
-When the result's max / mean work exceeds ``tolerance``, the plan is redone with a threshold four times
-lower (more documents cut head-tail), down to threshold 0 (every document of at least 2R tokens cut).
+A row whose documents all fit one rank is first planned with every document whole (no exchange at
+all, docs/balance.md "Rows of short documents"); that plan is kept when its max / mean work is within
+``tolerance``. When the result's max / mean work exceeds ``tolerance``, the plan is redone with a threshold
+four times lower (more documents cut head-tail), down to threshold 0 (every document of at least 2R tokens cut).
 Pure: no process group; every rank computes the same plan from the same lengths.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -102,12 +105,14 @@ class Placement(Layout):
     consecutive global positions, in increasing order), every rank the same number of tokens.
 
     Built by :func:`place_documents` from the row's document lengths; ``work`` is each rank's attention
-    work under the mask it was planned for.
+    work under the mask it was planned for; ``whole``: no document is cut, so the attention of this
+    batch needs no exchange between the ranks (``parallel/usp.py`` then skips the ring).
     """
 
     runs: tuple[tuple[Run, ...], ...]
     seq_len: int
     work: tuple[float, ...] = ()
+    whole: bool = False  # every document on one rank: no rank's queries see another rank's keys
 
     name = "documents"
 
@@ -155,6 +160,22 @@ class Placement(Layout):
         return None
 
     @property
+    def needs_exchange(self) -> bool:
+        return not self.whole
+
+    def local_doc_ids(self, doc_ids: torch.Tensor, rank: int) -> torch.Tensor:
+        """``rank``'s document ids (``[n]`` / ``[B, n]``) of the global ``doc_ids``, once per tensor (every
+        layer of a step asks with the same one; a new tensor each call would rebuild the ring plan)."""
+        key = ("local", id(doc_ids), doc_ids._version, rank, self)
+        entry = PLACEMENTS.get(key)
+        if entry is not None and entry[0] is doc_ids:
+            PLACEMENTS.move_to_end(key)
+            return entry[1]
+        local = self.shard(doc_ids, rank, dim=-1)
+        _remember(key, doc_ids, local)
+        return local
+
+    @property
     def balance(self) -> float:
         """max / mean of the planned work (1.0 = perfect; 1.0 when there is no work at all)."""
         mean = sum(self.work) / max(len(self.work), 1)
@@ -181,6 +202,10 @@ def place_documents(
     docs = _check_lengths(lengths, seq_len, world)
     if window is not None and window < 1:
         raise LayoutError(f"window={window} must be >= 1 or None")
+    if world > 1 and max(docs, default=0) <= seq_len // world:  # every document could stay whole
+        plan = _place(docs, seq_len, world, window, math.inf)
+        if plan.whole and plan.balance <= tolerance:
+            return plan
     threshold = FIRST_THRESHOLD
     while True:
         plan = _place(docs, seq_len, world, window, threshold)
@@ -218,12 +243,14 @@ def _place(docs: list[int], seq_len: int, world: int, window: int | None, thresh
                 head, tail = head + share // 2, tail - (share - share // 2)
         else:
             whole.append(d)
+    cut = any(d not in whole for d in range(len(docs)))
     for d in whole:
         a, b = starts[d], starts[d] + docs[d]
         fits = [r for r in range(world) if room[r] >= b - a]
         if fits:
             give(min(fits, key=lambda r: (work[r], r)), a, b)
             continue
+        cut = True
         for r in sorted((r for r in range(world) if room[r] > 0), key=lambda r: (work[r], r)):
             take = min(room[r], b - a)
             give(r, a, a + take)
@@ -236,7 +263,8 @@ def _place(docs: list[int], seq_len: int, world: int, window: int | None, thresh
             size = room[r]
             give(r, position, position + size)
             position += size
-    return Placement(tuple(tuple(_merged(sorted(rank))) for rank in runs), seq_len, tuple(work))
+    placed = tuple(tuple(_merged(sorted(rank))) for rank in runs)
+    return Placement(placed, seq_len, tuple(work), whole=world == 1 or not cut)
 
 
 def _shares(length: int, room: list[int]) -> list[int]:
@@ -260,8 +288,15 @@ def _merged(runs: list[Run]) -> list[Run]:
     return out
 
 
-PLACEMENTS: OrderedDict[tuple, tuple[torch.Tensor, Placement]] = OrderedDict()
-PLACEMENT_CACHE_SIZE = 8  # batches whose placement is kept (every layer of a step asks for the same one)
+PLACEMENTS: OrderedDict[tuple, tuple[torch.Tensor, object]] = OrderedDict()
+PLACEMENT_CACHE_SIZE = 16  # placements and local document ids kept (every layer of a step asks alike)
+
+
+def _remember(key: tuple, doc_ids: torch.Tensor, value: object) -> None:
+    """Keep ``value`` for ``doc_ids`` (the entry holds the tensor, so its id is not reused meanwhile)."""
+    PLACEMENTS[key] = (doc_ids, value)
+    while len(PLACEMENTS) > PLACEMENT_CACHE_SIZE:
+        PLACEMENTS.popitem(last=False)
 
 
 @register_layout
@@ -285,9 +320,7 @@ class DocumentsLayout(ZigzagLayout):
             PLACEMENTS.move_to_end(key)
             return entry[1]
         plan = place_documents(document_lengths(doc_ids), doc_ids.shape[-1], self.world)
-        PLACEMENTS[key] = (doc_ids, plan)
-        while len(PLACEMENTS) > PLACEMENT_CACHE_SIZE:
-            PLACEMENTS.popitem(last=False)
+        _remember(key, doc_ids, plan)
         return plan
 
     def scan_chain(self) -> tuple[int, ...] | None:

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from ds_seqpar.comm.all_to_all import HeadPlan, seq_to_head
-from ds_seqpar.layout import UspLayout
+from ds_seqpar.comm.p2p import RingComm
+from ds_seqpar.comm.schedules import RingSchedule
+from ds_seqpar.layout import ContiguousLayout, UspLayout
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.attention import check_softcap, resolve_kernel
 from ds_seqpar.ops.masks import MaskSpec
@@ -197,12 +199,34 @@ def _ring_plan(
     work: WorkCounter | None,
     softcap: float | None,
 ) -> RingPlan:
-    """The ring engine's plan under the mesh's schedule: its K/V and query layouts over the ring layout."""
+    """The ring engine's plan under the mesh's schedule: its K/V and query layouts over the ring layout.
+    A document placement that keeps every document on one ring rank needs no exchange: each rank then
+    attends over its own ring shard alone (``_local_plan``)."""
+    if not layout.ring.needs_exchange:
+        return _local_plan(mesh, layout, mask, doc_ids, work, softcap)
     settings, schedule = mesh.settings, mesh.schedule()
     kv_layout, query_layout = settings.schedule.layouts(schedule, layout.ring)
     return RingPlan(
         schedule, kv_layout, mask, doc_ids, settings.kernel, work, softcap=softcap, query_layout=query_layout
     )
+
+
+def _local_plan(
+    mesh: SeqParMesh,
+    layout: UspLayout,
+    mask: MaskSpec,
+    doc_ids: torch.Tensor | None,
+    work: WorkCounter | None,
+    softcap: float | None,
+) -> RingPlan:
+    """The plan of a ring of one: this ring rank's shard against itself, nothing sent (docs/balance.md
+    "Rows of short documents"). Positions are the shard's own indices: each document is one run of it,
+    so causal order and window distances are the global ones."""
+    if doc_ids is None:
+        raise ValueError("a placement without exchange needs the batch's doc_ids")
+    local_docs = layout.ring.local_doc_ids(doc_ids, mesh.coords.ring_rank)
+    alone = RingSchedule(RingComm(None, [mesh.coords.rank], 0, mesh.comm_stats))
+    return RingPlan(alone, ContiguousLayout(1), mask, local_docs, mesh.settings.kernel, work, softcap=softcap)
 
 
 def _ulysses_over_ring(
