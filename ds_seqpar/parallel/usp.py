@@ -201,32 +201,21 @@ def _ring_plan(
 ) -> RingPlan:
     """The ring engine's plan under the mesh's schedule: its K/V and query layouts over the ring layout.
     A document placement that keeps every document on one ring rank needs no exchange: each rank then
-    attends over its own ring shard alone (``_local_plan``)."""
-    if not layout.ring.needs_exchange:
-        return _local_plan(mesh, layout, mask, doc_ids, work, softcap)
+    attends over its own ring shard alone."""
+    if not layout.ring.needs_exchange and doc_ids is not None:
+        # a ring of one: this ring rank's shard against itself, nothing sent (docs/balance.md "Rows of
+        # short documents"); positions are the shard's own indices: each document is one run of it, so
+        # causal order and window distances are the global ones
+        local_docs = layout.ring.local_doc_ids(doc_ids, mesh.coords.ring_rank)
+        alone = RingSchedule(RingComm(None, [mesh.coords.rank], 0, mesh.comm_stats))
+        return RingPlan(
+            alone, ContiguousLayout(1), mask, local_docs, mesh.settings.kernel, work, softcap=softcap
+        )
     settings, schedule = mesh.settings, mesh.schedule()
     kv_layout, query_layout = settings.schedule.layouts(schedule, layout.ring)
     return RingPlan(
         schedule, kv_layout, mask, doc_ids, settings.kernel, work, softcap=softcap, query_layout=query_layout
     )
-
-
-def _local_plan(
-    mesh: SeqParMesh,
-    layout: UspLayout,
-    mask: MaskSpec,
-    doc_ids: torch.Tensor | None,
-    work: WorkCounter | None,
-    softcap: float | None,
-) -> RingPlan:
-    """The plan of a ring of one: this ring rank's shard against itself, nothing sent (docs/balance.md
-    "Rows of short documents"). Positions are the shard's own indices: each document is one run of it,
-    so causal order and window distances are the global ones."""
-    if doc_ids is None:
-        raise ValueError("a placement without exchange needs the batch's doc_ids")
-    local_docs = layout.ring.local_doc_ids(doc_ids, mesh.coords.ring_rank)
-    alone = RingSchedule(RingComm(None, [mesh.coords.rank], 0, mesh.comm_stats))
-    return RingPlan(alone, ContiguousLayout(1), mask, local_docs, mesh.settings.kernel, work, softcap=softcap)
 
 
 def _ulysses_over_ring(
