@@ -50,6 +50,11 @@ class Layout:
         """What the length error says splits the sequence (e.g. ``layout='zigzag' over 4 ranks``)."""
         raise NotImplementedError
 
+    def for_batch(self, doc_ids: torch.Tensor | None) -> Layout:
+        """The layout of a batch whose document ids (global order, ``[S]`` / ``[B, S]``) are ``doc_ids``:
+        this layout itself, unless it places each batch's documents (``layout/placement.py``)."""
+        return self
+
     @property
     def needs_exchange(self) -> bool:
         """Whether some rank's queries see another rank's keys (False: a document placement that keeps

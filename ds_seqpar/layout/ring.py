@@ -102,11 +102,6 @@ class RingLayout(Layout):
         this layout itself, unless it balances by pairing chunks (zigzag)."""
         return self
 
-    def for_batch(self, doc_ids: torch.Tensor) -> Layout:
-        """The layout of a batch whose document ids (global order, ``[S]`` / ``[B, S]``) are ``doc_ids``:
-        this layout itself, unless it places each batch's documents (``layout/placement.py``)."""
-        return self
-
 
 LAYOUTS: dict[str, type[RingLayout]] = {}
 """``sequence_parallel.ring.layout`` name -> layout class (registration order = the order docs list)."""
