@@ -243,7 +243,7 @@ def _place(docs: list[int], seq_len: int, world: int, window: int | None, thresh
                 head, tail = head + share // 2, tail - (share - share // 2)
         else:
             whole.append(d)
-    cut = any(d not in whole for d in range(len(docs)))
+    cut = len(whole) < len(docs)  # some document went head-tail
     for d in whole:
         a, b = starts[d], starts[d] + docs[d]
         fits = [r for r in range(world) if room[r] >= b - a]
