@@ -204,6 +204,7 @@ class SeqParSettings:
     kernel: str
     ranks_per_node: int
     fault_timeout_s: float
+    dynamic_degree: bool = False
 
     @property
     def ring_degree(self) -> int:
@@ -234,7 +235,9 @@ class SeqParSettings:
         runs on it), then each ring shard split into U Ulysses pieces."""
         params, spec = self.ring_params(), self.schedule
         base = ring_layout(self.ring.layout, self.ring_degree, self.ring.granularity)
-        return UspLayout(spec.ring_layout(base, params), self.ulysses_degree, spec.pieces(params))
+        return UspLayout(
+            spec.ring_layout(base, params), self.ulysses_degree, spec.pieces(params), self.dynamic_degree
+        )
 
 
 def input_layout(mesh_or_settings: Any, doc_ids: Any = None) -> UspLayout:
@@ -286,6 +289,7 @@ def resolve_settings(
             section.ranks_per_node, world, os.environ if environ is None else environ
         ),
         fault_timeout_s=section.fault_timeout_s,
+        dynamic_degree=section.dynamic_degree,
     )
 
 

@@ -85,19 +85,22 @@ def test_shard_that_is_all_padding_gives_finite_exact_results(dist_pool):
 
 
 @pytest.mark.parametrize(
-    ("layout", "u", "lengths"),
+    ("layout", "u", "lengths", "dynamic"),
     [
-        ("zigzag", 2, [21, 30, 13]),
-        ("documents", 1, [21, 30, 13]),  # ring.layout='documents': shard_batch and attention place alike
-        ("documents", 2, [3, 40, 5, 9, 7]),
-        ("documents", 1, [8] * 8),  # every document whole on one rank: the ring sends nothing
+        ("zigzag", 2, [21, 30, 13], False),
+        ("documents", 1, [21, 30, 13], False),  # ring.layout='documents': shard_batch and attention alike
+        ("documents", 2, [3, 40, 5, 9, 7], False),
+        ("documents", 1, [8] * 8, False),  # every document whole on one rank: the ring sends nothing
+        ("documents", 2, [8] * 8, True),  # dynamic_degree: p = 1, no all-to-all either
+        ("documents", 2, [24, 8, 24, 8], True),  # dynamic_degree: rings of 2 ranks
+        ("documents", 2, [3, 40, 5, 9, 7], True),  # dynamic_degree: the whole group
     ],
 )
-def test_packed_batch_of_documents(dist_pool, layout, u, lengths):
+def test_packed_batch_of_documents(dist_pool, layout, u, lengths, dynamic):
     """position_ids restart per document: attention must not cross documents."""
     batch = batches(1, 1, 64)[0]
     batch["position_ids"] = torch.cat([torch.arange(n) for n in lengths])[None]
-    for rep in dist_pool(4).run(sp_vs_reference, "llama", u, layout, batch):
+    for rep in dist_pool(4).run(sp_vs_reference, "llama", u, layout, batch, dynamic=dynamic):
         assert rep["loss_err"] <= 1e-5 and rep["grad_rel_err"] <= 1e-5, rep
 
 

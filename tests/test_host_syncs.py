@@ -127,6 +127,8 @@ def _cases(p: int) -> list[AttentionCase]:
         replace(base, layout="stripe", cu_seqlens=docs16, window=9),
         replace(base, cu_seqlens=(0, 5, s // 2 + 1, s - 3), kernel="torch"),
         replace(base, layout="documents", cu_seqlens=(0, 5, s // 2 + 1, s - 3)),
+        replace(base, layout="documents", dynamic=True, cu_seqlens=docs16),  # dynamic_degree: p = 1
+        replace(base, layout="documents", dynamic=True, cu_seqlens=(0, 3 * s // 8, s // 2, 7 * s // 8, s)),
     ]
 
 

@@ -108,6 +108,15 @@ def _cases(p: int) -> list[AttentionCase]:
         replace(ring, h_kv=2, schedule="all_gather", layout="contiguous"),
         replace(ring, h_kv=2, window=7),
         replace(ring, h_kv=2, layout="documents", cu_seqlens=(0, 3, s // 2 + 1, s - 5)),  # a placement
+        replace(
+            both,
+            u=p // 2 or 1,
+            h=8,
+            h_kv=2,
+            layout="documents",
+            dynamic=True,
+            cu_seqlens=tuple(range(0, s + 1, 4)),
+        ),  # dynamic_degree: p = 1, every rank alone
         replace(both, u=p // 2, h=6, h_kv=2),  # USP with uneven heads at P=4 (U=2: 3 + 3)
         replace(both, u=p // 2, h=8, h_kv=2, dtype=torch.float32),
         replace(ring, h_kv=2, attention="sparse_ring", sparse="stripe"),

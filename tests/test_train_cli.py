@@ -45,6 +45,7 @@ def test_help_documents_every_flag():
         (["--memory", "checkpoint"], "--memory='checkpoint': unknown saving(s) ['checkpoint']"),
         (["--max-seq-len-search", "0"], "--max-seq-len-search=0 must be a budget > 0 MiB per rank"),
         (["--sp-size", "0"], "--sp-size=0 must be >= 1"),
+        (["--packing", "balanced", "--sp-size", "1"], "--packing balanced packs the documents of --data"),
         (
             ["--objective", "mlm", "--model", str(DEFAULT_CONFIG.parent.parent / "assets" / "tiny-llama")],
             "--objective mlm: the model at",

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 from ds_seqpar.config import load_config, with_overrides
 from ds_seqpar.errors import MissingFileError, SeqParConfigError
+from ds_seqpar.tasks.text import PACKINGS
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -118,6 +119,14 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
         help="training text: .jsonl, .txt or a datasets save_to_disk directory (default: passkey task)",
     )
     p.add_argument("--text-field", default="text", help="field holding the text in --data records")
+    p.add_argument(
+        "--packing",
+        choices=PACKINGS,
+        default="fixed",
+        help="how --data becomes rows: fixed (concatenate and cut into rows of --seq-len, every row full) or "
+        "balanced (whole documents grouped by the SP degree they need, the rest of a row padding; with "
+        "ring.layout 'documents' and dynamic_degree, docs/balance.md)",
+    )
     p.add_argument(
         "--seq-len", type=int, default=4096, help="tokens per sequence (split across the SP ranks)"
     )
@@ -235,11 +244,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if training and args.model is not None and not args.random_init:
         _check_weights(Path(args.model))
     args.settings = section.validate(config, world)  # heads vs U, world vs size: before any process group
+    _check_packing(args, parser)
     _check_train_batch(ds_config, args.ds_config, world // args.settings.size)
     _check_monitor(ds_config, args.ds_config, args.output_dir)
     args.section, args.ds_config_dict, args.tokenizer = section, ds_config, tokenizer
     args.data_tokens = _data_tokens(args, tokenizer) if training and args.data is not None else None
     return args
+
+
+def _check_packing(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """``--packing balanced`` packs --data's documents into rows split evenly over the SP ranks."""
+    if args.packing == "fixed":
+        return
+    if args.data is None:
+        parser.error(
+            "--packing balanced packs the documents of --data; the embedded task has none: pass --data"
+        )
+    size = args.settings.size
+    odd = [seq for seq, _ in args.phases if seq % size]
+    if odd:
+        parser.error(
+            f"--packing balanced needs every row length to be a multiple of the SP degree {size}; got {odd} "
+            "(--seq-len / --curriculum)"
+        )
 
 
 def _check_numbers(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -59,7 +59,9 @@ def _token_datasets(args: argparse.Namespace, tokenizer: Any, num_train: int) ->
     train, held = [], None
     for seq_len, _ in args.phases:
         tokens = getattr(args, "data_tokens", None)  # read and checked by parse_args
-        data = PackedTextDataset(args.data, tokenizer, seq_len, args.text_field, tokens=tokens)
+        data = PackedTextDataset(
+            args.data, tokenizer, seq_len, args.text_field, tokens, args.packing, args.settings.size
+        )
         n_eval = min(args.eval_samples, max(1, len(data) // 10))
         train.append(torch.utils.data.Subset(data, range(len(data) - n_eval)) if len(data) > n_eval else data)
         if seq_len == args.seq_len:

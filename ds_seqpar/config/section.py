@@ -318,6 +318,12 @@ class SequenceParallelConfig(_Section):
         'which inter-node (CommStats link classes, python -m ds_seqpar.report). "auto" = the launcher\'s '
         "LOCAL_WORLD_SIZE (all ranks when unset); set it to simulate a cluster on one machine.",
     )
+    dynamic_degree: StrictBool = Field(
+        False,
+        description="A dynamic SP degree per batch (needs ring.layout='documents'): a batch whose documents "
+        "balance over groups of p < size ranks runs in such groups, each over whole documents of its own "
+        "(p = 1: no attention communication at all); other batches use the whole group (docs/balance.md).",
+    )
     fault_timeout_s: float = Field(
         1800.0,
         description="Seconds a rank waits in a collective for a failed, dead or hung peer before it gives up and "
@@ -373,10 +379,17 @@ class SequenceParallelConfig(_Section):
         return self
 
     def _check_placement(self) -> None:
-        """A per-batch document placement needs a schedule on the ring layout's own ranks, and dense attention."""
-        if not LAYOUTS[self.ring.layout].per_batch:
-            return
+        """A per-batch document placement needs a schedule on the ring layout's own ranks, and dense attention;
+        a dynamic degree needs a per-batch placement."""
         layout = self.ring.layout
+        if not LAYOUTS[layout].per_batch:
+            if self.dynamic_degree:
+                valid = " or ".join(f"'{n}'" for n, cls in LAYOUTS.items() if cls.per_batch)
+                raise ValueError(
+                    f"sequence_parallel.dynamic_degree=true needs a per-batch document placement, but ring.layout="
+                    f"'{layout}'; valid: ring.layout={valid}, or dynamic_degree=false"
+                )
+            return
         if self.attention == "sparse_ring":
             raise ValueError(
                 f"sequence_parallel.ring.layout='{layout}' places each batch's documents, which attention="

@@ -9,6 +9,7 @@ classes.
 from ds_seqpar.layout.base import Layout, LayoutError, padded_length
 from ds_seqpar.layout.composite import BlockLayout, GroupLayout, PieceLayout, UspLayout, piece_multiple
 from ds_seqpar.layout.documents import doc_ids_from_cu_seqlens, document_lengths, positions_from_cu_seqlens
+from ds_seqpar.layout.grouped import GroupedPlacement, dynamic_placement, place_in_groups
 from ds_seqpar.layout.placement import Placement, layout_work, place_documents, token_work
 from ds_seqpar.layout.ring import (
     LAYOUTS,
@@ -28,6 +29,7 @@ __all__ = [
     "BlockLayout",
     "ContiguousLayout",
     "GroupLayout",
+    "GroupedPlacement",
     "Layout",
     "LayoutError",
     "PieceLayout",
@@ -40,10 +42,12 @@ __all__ = [
     "ZigzagLayout",
     "doc_ids_from_cu_seqlens",
     "document_lengths",
+    "dynamic_placement",
     "layout_work",
     "padded_length",
     "piece_multiple",
     "place_documents",
+    "place_in_groups",
     "positions_from_cu_seqlens",
     "register_layout",
     "ring_layout",

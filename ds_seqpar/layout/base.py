@@ -61,6 +61,13 @@ class Layout:
         every document on one rank; the attention then runs on each rank alone)."""
         return True
 
+    @property
+    def group_degree(self) -> int | None:
+        """None: the whole SP group runs the batch's attention together (Ulysses x ring). p: the batch runs
+        in groups of p ranks, each over whole documents of its own (a dynamic SP degree,
+        ``layout/grouped.py``)."""
+        return None
+
     def length_rule(self) -> str:
         """Why S must be a multiple of ``multiple``, for the length error."""
         return str(self.multiple)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ds_seqpar.layout.base import Layout, LayoutError, padded_length
+from ds_seqpar.layout.grouped import grouped_for_batch
 from ds_seqpar.layout.ring import RingLayout
 
 __all__ = ["BlockLayout", "GroupLayout", "PieceLayout", "UspLayout", "piece_multiple"]
@@ -44,11 +45,14 @@ class UspLayout(Layout):
         ring: the ring layout. ulysses: U.
         pieces: equal pieces every segment of a ring shard is cut into (a schedule that sends pieces on
             concurrent rings, TASP), else 1.
+        dynamic: a batch whose documents balance over groups of fewer ranks runs in such groups
+            (``dynamic_degree``: ``for_batch`` returns a ``GroupedPlacement``, ``layout/grouped.py``).
     """
 
     ring: RingLayout
     ulysses: int
     pieces: int = 1
+    dynamic: bool = False
 
     def __post_init__(self) -> None:
         if self.ulysses < 1:
@@ -66,13 +70,18 @@ class UspLayout(Layout):
         pieces = f" with {self.pieces} TASP pieces per segment" if self.pieces > 1 else ""
         return f"layout='{self.ring.name}' over {self.ring.world} ring ranks x ulysses degree {self.ulysses}{pieces}"
 
-    def for_batch(self, doc_ids: torch.Tensor | None) -> UspLayout:
-        """This layout for a batch with these document ids (global order): the ring layout's
-        ``for_batch`` (a document placement under ``ring.layout='documents'``), split into U pieces."""
+    def for_batch(self, doc_ids: torch.Tensor | None) -> Layout:
+        """This layout for a batch with these document ids (global order): with ``dynamic``, the grouped
+        placement of the smallest degree that balances (if any); else the ring layout's ``for_batch`` (a
+        document placement under ``ring.layout='documents'``), split into U pieces."""
         if doc_ids is None:
             return self
+        if self.dynamic:
+            grouped = grouped_for_batch(doc_ids, self.world)
+            if grouped is not None:
+                return grouped
         ring = self.ring.for_batch(doc_ids)
-        return self if ring is self.ring else UspLayout(ring, self.ulysses, self.pieces)
+        return self if ring is self.ring else UspLayout(ring, self.ulysses, self.pieces, self.dynamic)
 
     def local_positions(self, seq_len: int, rank: int) -> torch.Tensor:
         self.check_length(seq_len)

@@ -28,7 +28,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -40,6 +40,9 @@ __all__ = [
     "PLACEMENT_TOLERANCE",
     "DocumentsLayout",
     "Placement",
+    "Run",
+    "check_lengths",
+    "document_work",
     "layout_work",
     "place_documents",
     "token_work",
@@ -53,7 +56,7 @@ MIN_THRESHOLD = 1e-4  # below it the next retry cuts every document (threshold 0
 Run = tuple[int, int]  # a run of consecutive global positions [start, stop)
 
 
-def _check_lengths(lengths: Sequence[int], seq_len: int, world: int) -> list[int]:
+def check_lengths(lengths: Sequence[int], seq_len: int, world: int) -> list[int]:
     docs = [int(x) for x in lengths]
     if world < 1:
         raise LayoutError(f"placement world={world} must be >= 1 (the number of ring ranks)")
@@ -72,7 +75,7 @@ def _check_lengths(lengths: Sequence[int], seq_len: int, world: int) -> list[int
     return docs
 
 
-def _doc_work(length: int, window: int | None) -> int:
+def document_work(length: int, window: int | None) -> int:
     """Visible (query, key) pairs of one causal document of ``length`` tokens."""
     if window is None or window >= length:
         return length * (length + 1) // 2
@@ -81,7 +84,7 @@ def _doc_work(length: int, window: int | None) -> int:
 
 def token_work(lengths: Sequence[int], seq_len: int, window: int | None = None) -> torch.Tensor:
     """Keys each query token sees under a causal mask inside its document: float64 ``[S]`` (padding 0)."""
-    docs = _check_lengths(lengths, seq_len, 1)
+    docs = check_lengths(lengths, seq_len, 1)
     work = torch.zeros(seq_len, dtype=torch.float64)
     start = 0
     for length in docs:
@@ -167,12 +170,11 @@ class Placement(Layout):
         """``rank``'s document ids (``[n]`` / ``[B, n]``) of the global ``doc_ids``, once per tensor (every
         layer of a step asks with the same one; a new tensor each call would rebuild the ring plan)."""
         key = ("local", id(doc_ids), doc_ids._version, rank, self)
-        entry = PLACEMENTS.get(key)
-        if entry is not None and entry[0] is doc_ids:
-            PLACEMENTS.move_to_end(key)
-            return entry[1]
+        found = remembered(key, doc_ids)
+        if found is not None:
+            return found
         local = self.shard(doc_ids, rank, dim=-1)
-        _remember(key, doc_ids, local)
+        remember(key, doc_ids, local)
         return local
 
     @property
@@ -199,7 +201,7 @@ def place_documents(
         window: sliding window W of the attention, or None.
         tolerance: the max / mean work accepted before more documents are cut head-tail.
     """
-    docs = _check_lengths(lengths, seq_len, world)
+    docs = check_lengths(lengths, seq_len, world)
     if window is not None and window < 1:
         raise LayoutError(f"window={window} must be >= 1 or None")
     if world > 1 and max(docs, default=0) <= seq_len // world:  # every document could stay whole
@@ -221,7 +223,7 @@ def _place(docs: list[int], seq_len: int, world: int, window: int | None, thresh
     starts = [0]
     for length in docs:
         starts.append(starts[-1] + length)
-    works = [_doc_work(length, window) for length in docs]
+    works = [document_work(length, window) for length in docs]
     target = sum(works) / world
     runs: list[list[Run]] = [[] for _ in range(world)]
     work, room = [0.0] * world, [seq_len // world] * world
@@ -292,7 +294,17 @@ PLACEMENTS: OrderedDict[tuple, tuple[torch.Tensor, object]] = OrderedDict()
 PLACEMENT_CACHE_SIZE = 16  # placements and local document ids kept (every layer of a step asks alike)
 
 
-def _remember(key: tuple, doc_ids: torch.Tensor, value: object) -> None:
+def remembered(key: tuple, doc_ids: torch.Tensor) -> Any:
+    """What ``remember`` kept for ``doc_ids`` under ``key`` (the same tensor, not one that reuses its id),
+    or None."""
+    entry = PLACEMENTS.get(key)
+    if entry is None or entry[0] is not doc_ids:
+        return None
+    PLACEMENTS.move_to_end(key)
+    return entry[1]
+
+
+def remember(key: tuple, doc_ids: torch.Tensor, value: object) -> None:
     """Keep ``value`` for ``doc_ids`` (the entry holds the tensor, so its id is not reused meanwhile)."""
     PLACEMENTS[key] = (doc_ids, value)
     while len(PLACEMENTS) > PLACEMENT_CACHE_SIZE:
@@ -315,12 +327,11 @@ class DocumentsLayout(ZigzagLayout):
     def for_batch(self, doc_ids: torch.Tensor) -> Layout:
         """The placement of ``doc_ids``'s documents (``[S]`` / ``[B, S]``, rows alike), once per tensor."""
         key = (id(doc_ids), doc_ids._version, self.world)
-        entry = PLACEMENTS.get(key)
-        if entry is not None and entry[0] is doc_ids:
-            PLACEMENTS.move_to_end(key)
-            return entry[1]
+        found = remembered(key, doc_ids)
+        if found is not None:
+            return found
         plan = place_documents(document_lengths(doc_ids), doc_ids.shape[-1], self.world)
-        _remember(key, doc_ids, plan)
+        remember(key, doc_ids, plan)
         return plan
 
     def scan_chain(self) -> tuple[int, ...] | None:

@@ -35,6 +35,7 @@ from ds_seqpar.ops.precision import accumulation_dtype
 from ds_seqpar.ops.sparse.kernels import resolve_sparse_kernel
 from ds_seqpar.parallel.activation import sparse_layer_active
 from ds_seqpar.parallel.agree import check_same_inputs
+from ds_seqpar.parallel.grouped import grouped_attention, grouped_plan
 from ds_seqpar.parallel.ring import OutputDelta, RingPlan, WorkCounter, check_qkv, check_sinks, ring_attention
 from ds_seqpar.parallel.sparse_ring import sparse_attention
 from ds_seqpar.parallel.team import team_attention
@@ -186,7 +187,12 @@ def attention(
         mask = dict(window=window, doc_ids=doc_ids, work=work, layer=layer, softcap=softcap, sinks=sinks)
         return sparse_attention(q, k, v, mesh=mesh, layout=layout, schedule=mesh.schedule(), seq_len=seq_len,
                                 softmax_scale=softmax_scale, **mask)  # fmt: skip
-    plan = _ring_plan(mesh, layout, MaskSpec(causal=causal, window=window), doc_ids, work, softcap)
+    mask = MaskSpec(causal=causal, window=window)
+    if layout.group_degree is not None:  # dynamic_degree: this batch runs in groups over their own documents
+        plan = grouped_plan(mesh, layout, mask, doc_ids, work, softcap)
+        check_same_inputs(mesh, "ds_seqpar.attention", AGREED, *agree, SAME_SHARDS, ("causal", "window"))
+        return grouped_attention(q, k, v, plan, softmax_scale, sinks)
+    plan = _ring_plan(mesh, layout, mask, doc_ids, work, softcap)
     check_same_inputs(mesh, "ds_seqpar.attention", AGREED, *agree, SAME_SHARDS, ("causal", "window"))
     return _ulysses_over_ring(q, k, v, mesh, plan, softmax_scale, sinks)
 

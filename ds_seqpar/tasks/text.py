@@ -255,9 +255,16 @@ def _restart_first_document(pos: torch.Tensor) -> torch.Tensor:
     return pos
 
 
+PACKINGS = ("fixed", "balanced")
+
+
 class PackedTextDataset(Dataset):
     """Rows of ``seq_len`` tokens packed from the documents at ``path`` (or from ``tokens``, that
-    source already tokenized: ``train.py`` reads and checks ``--data`` before any process group)."""
+    source already tokenized: ``train.py`` reads and checks ``--data`` before any process group).
+
+    ``packing``: ``"fixed"`` (concat-and-chunk, ``pack_documents``: every row full, documents cut at row
+    ends) or ``"balanced"`` (whole documents grouped by the SP degree they need, ``tasks/packing.py``;
+    needs ``sp_size``)."""
 
     def __init__(
         self,
@@ -266,11 +273,21 @@ class PackedTextDataset(Dataset):
         seq_len: int,
         text_field: str = "text",
         tokens: TokenizedText | None = None,
+        packing: str = "fixed",
+        sp_size: int = 1,
     ) -> None:
+        if packing not in PACKINGS:
+            raise SeqParConfigError(f"packing={packing!r} is not valid; valid: {', '.join(PACKINGS)}")
         if tokens is None:
             tokens = tokenize_documents(load_documents(path, text_field), tokenizer, path)
         tokens.require_rows(seq_len, tokenizer.eos_token_id)
-        self.rows = pack_documents(tokens.documents(), seq_len, tokenizer.eos_token_id)
+        if packing == "fixed":
+            self.rows = pack_documents(tokens.documents(), seq_len, tokenizer.eos_token_id)
+        else:
+            from ds_seqpar.tasks.packing import pack_by_degree
+
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+            self.rows = pack_by_degree(tokens.documents(), seq_len, sp_size, tokenizer.eos_token_id, pad)
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -63,6 +63,7 @@ class AttentionCase:
     softcap: float | None = None
     sinks: bool = False
     sparse: str | None = None
+    dynamic: bool = False
 
     def section(self, world: int) -> dict:
         """The ``sequence_parallel`` section of this case's mesh over ``world`` ranks."""
@@ -84,6 +85,8 @@ class AttentionCase:
         }
         if self.sparse is not None:
             section["sparse"] = {**SPARSE_BUDGET, "balancing": self.sparse}
+        if self.dynamic:
+            section["dynamic_degree"] = True
         return section
 
     @property

@@ -42,11 +42,17 @@ def grad_floor(objective: str, kind: str, ref: torch.nn.Module) -> float:
 
 
 def sp_mesh(
-    u: int, layout: str = "zigzag", inner: int | None = None, schedule: dict | None = None
+    u: int,
+    layout: str = "zigzag",
+    inner: int | None = None,
+    schedule: dict | None = None,
+    dynamic: bool = False,
 ) -> SeqParMesh:
-    """A mesh over the whole world with Ulysses degree ``u``, ``layout`` and the ring keys of ``schedule``."""
+    """A mesh over the whole world with Ulysses degree ``u``, ``layout``, the ring keys of ``schedule`` and
+    ``dynamic_degree``."""
     ring = {"layout": layout, "inner_size": inner, **(schedule or {})}
-    return mesh_for({"size": dist.get_world_size(), "ulysses_degree": u, "ring": ring})
+    section = {"size": dist.get_world_size(), "ulysses_degree": u, "ring": ring}
+    return mesh_for(section | ({"dynamic_degree": True} if dynamic else {}))
 
 
 def sp_vs_reference(
@@ -57,13 +63,15 @@ def sp_vs_reference(
     model_overrides: dict | None = None,
     reentrant_checkpointing: bool | None = None,
     schedule: dict | None = None,
+    dynamic: bool = False,
 ) -> dict:
     """One forward/backward of a full batch with and without SP; loss and gradient errors.
     ``reentrant_checkpointing``: None = no activation checkpointing in the SP model, else HF gradient
     checkpointing of every layer with that ``use_reentrant``. ``schedule``: ring keys of the section
-    (``{"schedule": "startrail", "team_size": 2}``, with ``inner_size`` for the mesh's double ring)."""
+    (``{"schedule": "startrail", "team_size": 2}``, with ``inner_size`` for the mesh's double ring);
+    ``dynamic``: ``dynamic_degree`` on."""
     schedule = dict(schedule or {})
-    mesh = sp_mesh(u, layout, schedule.pop("inner_size", None), schedule)
+    mesh = sp_mesh(u, layout, schedule.pop("inner_size", None), schedule, dynamic)
     ref = tiny_model(kind, **(model_overrides or {}))
     model = copy.deepcopy(ref)
     ref_loss = reference_loss(ref, batch)
