@@ -6,7 +6,7 @@ Run with PyTorch's launcher (one process per rank)::
 
 Default: S = 4096, H = H_kv = 8, D = 64, causal, fp32, one row packed with documents of 512 + 1024 +
 2560 tokens and one of 16 documents of 256; meshes U x R in {4x1 (the shipped default), 2x2, 1x4}
-with the zigzag layout; and the no-communication reference: each rank runs one causal kernel call
+with ring.layout zigzag, documents, and documents with dynamic_degree; and the no-communication reference: each rank runs one causal kernel call
 on its share of the documents' causal work (1/P of each document's heads), no collective. Prints a
 markdown table on rank 0 and saves ``benchmarks/results/packed_cpu.json`` and ``.md``.
 """
@@ -29,6 +29,9 @@ ROWS = {
     "3 documents (512, 1024, 2560)": [0, 512, 1536, 4096],
     "16 documents of 256": list(range(0, 4097, 256)),
 }
+
+
+LAYOUTS = (("zigzag", False), ("documents", False), ("documents", True))  # ring.layout, dynamic_degree
 
 
 def _inputs(n: int, h: int, d: int) -> tuple[torch.Tensor, ...]:
@@ -71,10 +74,18 @@ def main() -> None:
     rows = []
     for name, cu in ROWS.items():
         cu = [min(c, args.seq_len) for c in cu]
-        for u in [x for x in (world, 2, 1) if world % x == 0 and x <= h]:
-            mesh = SeqParMesh.from_config({"size": world, "ulysses_degree": u, "ring": {"layout": "zigzag"}})
-            t = measure_mesh(mesh, args.seq_len, h, d, cu, args.reps)
-            rows.append({"row": name, "system": f"ds_seqpar U{u} x R{world // u}", "time_s": t})
+        for (layout, dynamic), u in itertools.product(
+            LAYOUTS, [x for x in (world, 2, 1) if world % x == 0 and x <= h]
+        ):
+            section = {
+                "size": world,
+                "ulysses_degree": u,
+                "ring": {"layout": layout},
+                "dynamic_degree": dynamic,
+            }
+            t = measure_mesh(SeqParMesh.from_config(section), args.seq_len, h, d, cu, args.reps)
+            what = layout + (" + dynamic_degree" if dynamic else "")
+            rows.append({"row": name, "system": f"ds_seqpar U{u} x R{world // u}, {what}", "time_s": t})
         t = measure_reference(world, h, d, cu, args.reps)
         rows.append({"row": name, "system": "reference: no communication", "time_s": t})
     if dist.get_rank() == 0:

@@ -115,3 +115,13 @@ def test_every_degree_is_exact_on_every_mesh(dist_pool, p):
             assert not any(moved), case  # every rank alone: nothing on the ring
         if degree < p:
             assert all("all_to_all" not in rank[i]["fwd"] for rank in results), case  # no Ulysses exchange
+
+
+def test_the_docs_example_runs_as_written(capsys):
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "balance.md").read_text()
+    example = [b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "dynamic_placement" in b]
+    exec(example[0], {})
+    assert capsys.readouterr().out.split() == ["1", "2", "None"]

@@ -224,7 +224,7 @@ def test_resume_on_another_version_of_the_embedded_task_is_refused():
     """A checkpoint records which embedded task it trained on; one of an older version (which recorded
     none: 16 passkeys drawn at random) is refused by name, a --data run is not concerned."""
     args = argparse.Namespace(model=None, data=None, text_field="text", objective="causal", seed=0, seq_len=4096,
-                              curriculum=None)  # fmt: skip
+                              curriculum=None, packing="fixed")  # fmt: skip
     now = training_flags(args, None)
     assert "8 passkeys" in now["task"]
     check_resumed_flags(dict(now), now, "step2")
@@ -233,3 +233,16 @@ def test_resume_on_another_version_of_the_embedded_task_is_refused():
         check_resumed_flags(older, now, "step2")
     text = {**older, "data": "docs.jsonl"}
     check_resumed_flags(text, {**text, "task": None}, "step2")
+
+
+def test_resume_with_another_packing_is_refused():
+    """Balanced rows depend on the SP degree they were packed for: another packing, or balanced rows for
+    another degree, change the data order."""
+    args = argparse.Namespace(model=None, data="docs.jsonl", text_field="text", objective="causal", seed=0,
+                              seq_len=4096, curriculum=None, packing="balanced",
+                              settings=argparse.Namespace(size=4))  # fmt: skip
+    saved = training_flags(args, None)
+    assert saved["packing"] == "balanced for SP degree 4"
+    args.settings.size = 8
+    with pytest.raises(SeqParConfigError, match=r"--packing: 'balanced for SP degree 4' -> 'balanced for SP"):
+        check_resumed_flags(saved, training_flags(args, None), "step2")

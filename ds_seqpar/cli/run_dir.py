@@ -101,6 +101,10 @@ def training_flags(args: argparse.Namespace, scheduler: dict[str, Any] | None) -
     flags = {name: getattr(args, name) for name in DATA_FLAGS}  # --curriculum as given (None: the default)
     flags["scheduler"] = scheduler
     flags["task"] = PASSKEY_TASK if args.data is None else None
+    # balanced rows group documents for the SP degree: another degree packs other rows
+    flags["packing"] = (
+        args.packing if args.packing == "fixed" else f"{args.packing} for SP degree {args.settings.size}"
+    )
     return flags
 
 

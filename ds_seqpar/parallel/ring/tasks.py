@@ -242,18 +242,18 @@ def _trimmed(task: BlockTask) -> BlockTask:
     )
 
 
-def _runs(ids: torch.Tensor) -> list[tuple[int, int, int]] | None:
-    """``(id, start, end)`` of the runs of equal values of a 1-D tensor, or None when an id other than
-    padding (< 0) forms more than one run."""
-    values = ids.tolist()
+def _runs(ids: torch.Tensor, pos: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(id, start, end)`` of the runs of a 1-D tensor of document ids whose positions are consecutive: a
+    run ends where the id changes or the position does not continue (a document placed in several
+    pieces on one rank, ``layout/placement.py``, gives one run per piece)."""
+    values, positions = ids.tolist(), pos.tolist()
     runs: list[tuple[int, int, int]] = []
     for i, value in enumerate(values):
-        if runs and runs[-1][0] == value:
+        if runs and runs[-1][0] == value and positions[i] == positions[i - 1] + 1:
             runs[-1] = (value, runs[-1][1], i + 1)
         else:
             runs.append((value, i, i + 1))
-    real = [r[0] for r in runs if r[0] >= 0]
-    return runs if len(real) == len(set(real)) else None
+    return runs
 
 
 def _shared_rows(x: torch.Tensor) -> torch.Tensor | None:
@@ -272,28 +272,26 @@ def _document_tasks(
     q_doc: torch.Tensor,
     k_doc: torch.Tensor,
 ) -> list[BlockTask] | None:
-    """A segment pair that packed documents make PARTIAL, cut at document boundaries: one call per
-    document present on both sides (FULL, CAUSAL, or PARTIAL with a small mask for windows), so no
-    work is spent on pairs of different documents (docs/ring.md, "Packed documents"). None when the
-    batch rows hold different documents or a document is split into several runs."""
+    """A segment pair that packed documents make PARTIAL, cut at document boundaries: one call per pair of
+    runs of the same document on both sides (FULL, CAUSAL, or PARTIAL with a small mask for windows), so
+    no work is spent on pairs of different documents (docs/ring.md, "Packed documents"). None when the
+    batch rows hold different documents."""
     (qa, qb), (ka, kb) = q_rows, k_rows
     qd, kd = _shared_rows(q_doc[..., qa:qb]), _shared_rows(k_doc[..., ka:kb])
     qp, kp = _shared_rows(q_pos[..., qa:qb]), _shared_rows(k_pos[..., ka:kb])
     if qd is None or kd is None or qp is None or kp is None:
         return None
-    q_runs, k_runs = _runs(qd), _runs(kd)
-    if q_runs is None or k_runs is None:
-        return None
-    keys = {doc: (start, end) for doc, start, end in k_runs if doc >= 0}
+    keys: dict[int, list[tuple[int, int]]] = {}
+    for doc, start, end in _runs(kd, kp):
+        if doc >= 0:
+            keys.setdefault(doc, []).append((start, end))
     tasks: list[BlockTask] = []
-    for doc, start, end in q_runs:
-        if doc < 0 or doc not in keys:
-            continue
-        ks, ke = keys[doc]
-        kind, mask = classify_block(qp[start:end], kp[ks:ke], spec)
-        if kind is not BlockKind.EMPTY:
-            task = BlockTask(slice(qa + start, qa + end), slice(ka + ks, ka + ke), kind, mask, 0)
-            tasks.append(_trimmed(task) if kind is BlockKind.PARTIAL else task)
+    for doc, start, end in _runs(qd, qp):
+        for ks, ke in keys.get(doc, []) if doc >= 0 else []:
+            kind, mask = classify_block(qp[start:end], kp[ks:ke], spec)
+            if kind is not BlockKind.EMPTY:
+                task = BlockTask(slice(qa + start, qa + end), slice(ka + ks, ka + ke), kind, mask, 0)
+                tasks.append(_trimmed(task) if kind is BlockKind.PARTIAL else task)
     if tasks:
         tasks[0] = dataclasses.replace(tasks[0], segment_pairs=1)
     return tasks
@@ -410,6 +408,14 @@ def _pair_tasks(
     tiled = None if q_doc is not None else _window_tasks(spec, q_seg, k_seg, q_pos, k_pos)
     if tiled is not None:
         return tiled
+    if (
+        q_doc is not None
+        and quick_block_kind(q_pos[..., qa:qb], k_pos[..., ka:kb], spec, q_doc[..., qa:qb], k_doc[..., ka:kb])
+        is None
+    ):  # packed documents: cut at their runs before any mask of the whole pair is built
+        split = _document_tasks(spec, q_seg, k_seg, q_pos, k_pos, q_doc, k_doc)
+        if split is not None:
+            return split
     kind, mask = classify_block(
         q_pos[..., qa:qb],
         k_pos[..., ka:kb],
@@ -419,9 +425,5 @@ def _pair_tasks(
     )
     if kind is BlockKind.EMPTY:
         return []
-    if kind is BlockKind.PARTIAL and q_doc is not None:
-        split = _document_tasks(spec, q_seg, k_seg, q_pos, k_pos, q_doc, k_doc)
-        if split is not None:
-            return split
     task = BlockTask(slice(qa, qb), slice(ka, kb), kind, mask)
     return [_trimmed(task) if kind is BlockKind.PARTIAL else task]
