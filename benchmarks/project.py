@@ -2,7 +2,10 @@
 
 Nothing is measured: the bytes come from ``ds_seqpar.comm.model.peer_bytes`` (Ulysses: from
 ``ds_seqpar.parallel.comm_volume.ulysses_bytes``), the time from the simple cluster model below
-(docs/comm_model.md "Projection"). Deterministic; no torch.distributed, no GPU.
+(docs/comm_model.md "Projection"). Deterministic; no torch.distributed, no GPU. The presets, the link model
+and the per-schedule time of a layer are the library's (``ds_seqpar/plan/``: clusters.py, links.py,
+attention_time.py), shared with the planner (docs/plan.md); this script chooses the settings and writes
+the tables.
 
     python -m benchmarks.project --cluster h100-ib --model llama3-8b --seq-len 1M --world 64 [--out DIR]
     python -m benchmarks.project --table [--out DIR]     # results/project.{md,json,png}
@@ -27,64 +30,33 @@ import json
 import math
 import re
 import sys
-from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ds_seqpar.comm.model import (
-    LayerShape,
-    PeerBytes,
     attention2d_grids,
-    double_ring_peers,
-    node_map,
-    peer_bytes,
     startrail_backward_choice,
-    startrail_peers,
     startrail_team_sizes,
     tasp_domains,
-    tasp_peers,
-    tasp_subchunks,
 )
+from ds_seqpar.plan.attention_time import (
+    BWD_FACTOR,
+    ZIGZAG_SEGMENTS,
+    AttentionSetting,
+    Phases,
+    Result,
+    collective_only,
+    ring_family,
+    slowest,
+    startrail,
+    traffic_of,
+    ulysses_bytes_of,
+    ulysses_phases,
+)
+from ds_seqpar.plan.clusters import CLUSTERS
+from ds_seqpar.plan.links import Ring
 
 RESULTS = Path(__file__).resolve().parent / "results"
-GB = 1e9
-US = 1e-6
-BWD_FACTOR = 2.5  # backward FLOPs / forward FLOPs of attention (recompute of P plus dQ, dK, dV)
-ZIGZAG_SEGMENTS = 2  # the balanced causal layout every schedule here assumes: 2 runs per rank
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """A node type and its network; bandwidths in bytes/s per direction, latencies in seconds."""
-
-    name: str
-    gpus_per_node: int
-    intra: str  # "switch": one injection bandwidth to every peer; "mesh": one direct link per peer
-    intra_bw: float  # switch: injection bandwidth per GPU; mesh: bandwidth of one link
-    inter_bw: float  # the GPU's NIC
-    lat_intra: float
-    lat_inter: float
-    flops: float  # effective attention throughput per GPU (FLOP/s), an assumption
-    note: str
-
-
-CLUSTERS = {
-    "h100-ib": Cluster(
-        "h100-ib", 8, "switch", 450 * GB, 50 * GB, 1 * US, 5 * US, 400e12,
-        "8×H100 SXM per node, NVSwitch ~450 GB/s per direction per GPU, 400 Gb/s InfiniBand per GPU, "
-        "1 µs / 5 µs latency, 400 TFLOP/s effective bf16 attention",
-    ),
-    "a100-eth": Cluster(
-        "a100-eth", 8, "switch", 300 * GB, 12.5 * GB, 1 * US, 10 * US, 150e12,
-        "8×A100 SXM per node, NVSwitch 300 GB/s per direction per GPU, 100 Gb/s Ethernet (RoCE) per GPU, "
-        "1 µs / 10 µs latency, 150 TFLOP/s effective bf16 attention",
-    ),
-    "mi300x-ib": Cluster(
-        "mi300x-ib", 8, "mesh", 64 * GB, 50 * GB, 1.5 * US, 5 * US, 500e12,
-        "8×MI300X per node, Infinity Fabric full mesh (7 links of ~64 GB/s per direction each), "
-        "400 Gb/s per GPU, 1.5 µs / 5 µs latency, 500 TFLOP/s effective bf16 attention",
-    ),
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -107,305 +79,7 @@ MODELS = {
 }
 
 SCHEDULE_NAMES = ("ring", "double ring", "USP", "StarTrail", "TASP", "ATTENTION2D")
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One projected case: cluster, model, sequence length S, SP degree N (= world), batch B, bytes per element."""
-
-    cluster: Cluster
-    model: ModelConfig
-    seq_len: int
-    world: int
-    batch: int = 1
-    element_bytes: int = 2
-
-    @property
-    def acc_bytes(self) -> int:
-        return 8 if self.element_bytes == 8 else 4
-
-    @property
-    def forward_seconds(self) -> float:
-        """One rank's forward compute: 2·2·B·S²·H·D / 2 FLOPs over N ranks."""
-        m = self.model
-        return 2 * self.batch * self.seq_len**2 * m.heads * m.head_dim / self.world / self.cluster.flops
-
-
-# ---------------------------------------------------------------------------------------------------
-# link model
-
-
-@dataclass(frozen=True)
-class Ring:
-    """A ring group on the cluster: R ranks, ring rank q = global rank q·stride (node_of[q])."""
-
-    size: int
-    node_of: list[int]
-
-    @staticmethod
-    def on(cluster: Cluster, size: int, stride: int = 1) -> Ring:
-        return Ring(size, node_map(size, cluster.gpus_per_node, stride))
-
-    def representatives(self) -> list[int]:
-        """The ring ranks on the first and the last node (the others repeat their pattern)."""
-        first, last = self.node_of[0], self.node_of[-1]
-        return [q for q in range(self.size) if self.node_of[q] in (first, last)]
-
-
-def link_seconds(per_peer: Mapping[int, float], rank: int, ring: Ring, cl: Cluster) -> float:
-    """Seconds to send ``per_peer`` bytes from ``rank``: link classes in parallel, each at its busiest link."""
-    home = ring.node_of[rank]
-    inter = sum(v for p, v in per_peer.items() if ring.node_of[p] != home)
-    intra = [v for p, v in per_peer.items() if ring.node_of[p] == home]
-    intra_s = (sum(intra) if cl.intra == "switch" else max(intra, default=0)) / cl.intra_bw
-    return max(inter / cl.inter_bw, intra_s)
-
-
-def hop_latency(peers, rank: int, ring: Ring, cl: Cluster) -> float:
-    """Latency of one message round to ``peers``: the inter-node one if any peer is on another node."""
-    peers = [p for p in peers if p != rank]
-    if not peers:
-        return 0.0
-    return cl.lat_inter if any(ring.node_of[p] != ring.node_of[rank] for p in peers) else cl.lat_intra
-
-
-def kind_of(peers: PeerBytes, kind: str) -> dict[int, int]:
-    return {p: v[kind] for p, v in peers.items() if kind in v}
-
-
-Phases = dict[str, float]  # phase name -> seconds, for one rank
-
-
-def collective_phases(peers: PeerBytes, rank: int, ring: Ring, cl: Cluster) -> Phases:
-    """One exposed phase per collective kind: link time + ⌈log2 p⌉ latencies (p = members)."""
-    out = {}
-    for kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        per_peer = kind_of(peers, kind)
-        if per_peer:
-            hops = math.ceil(math.log2(len(per_peer) + 1))
-            out[kind] = link_seconds(per_peer, rank, ring, cl) + hops * hop_latency(per_peer, rank, ring, cl)
-    return out
-
-
-def chain_phases(
-    peers: PeerBytes,
-    rank: int,
-    ring: Ring,
-    cl: Cluster,
-    *,
-    compute: float,
-    compute_steps: int,
-    steps: int,
-    hops: list[tuple[int, int]],
-    exposed: list[dict[int, int]],
-) -> Phases:
-    """The p2p part of a schedule: the ``exposed`` hops one after another (nothing to hide them behind),
-    the rest of the p2p bytes spread over ``steps`` transfer steps beside ``compute_steps`` compute
-    steps; ``hops`` = (count, peer) message rounds of the chain, each paying its latency."""
-    rest = dict(kind_of(peers, "p2p"))
-    out: Phases = {}
-    for index, hop in enumerate(exposed):
-        hop = {p: v for p, v in hop.items() if v and p != rank}
-        for p, v in hop.items():
-            rest[p] -= v
-            if rest[p] < 0:
-                raise AssertionError(f"exposed hop {hop} exceeds the model's p2p bytes to {p}")
-        if hop:
-            out[f"exposed hop {index}"] = link_seconds(hop, rank, ring, cl) + hop_latency(hop, rank, ring, cl)
-    c = compute / compute_steps
-    pipelined = compute_steps * c
-    if steps:
-        t = link_seconds(rest, rank, ring, cl) / steps
-        latency = sum(count * hop_latency([p], rank, ring, cl) for count, p in hops)
-        pipelined = steps * max(c, t) + (compute_steps - steps) * c + latency
-    elif any(rest.values()):
-        raise AssertionError(f"p2p bytes {rest} left with no transfer step")
-    out["compute + p2p chain"] = pipelined
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------
-# schedules: (forward phases, backward phases) of one ring rank
-
-
-def _shape(st: Setting, tokens: int, heads: int, kv_heads: int) -> LayerShape:
-    return LayerShape(st.batch, tokens, heads, kv_heads, st.model.head_dim, st.element_bytes, st.acc_bytes)
-
-
-def ring_family(
-    st: Setting, ring: Ring, shape: LayerShape, rank: int, *, schedule: str, inner: int | None
-) -> tuple[Phases, Phases]:
-    """Single / double ring (``p2p``) and TASP: R − 1 pipelined steps, R compute steps; backward
-    also exposes the last inner and the last outer accumulator return."""
-    r = ring.size
-    cl = st.cluster
-    fwd_s = st.forward_seconds
-    if r == 1:
-        return {"compute": fwd_s}, {"compute": BWD_FACTOR * fwd_s}
-    kw = {"inner": inner}
-    if schedule == "tasp":
-        kw["segments"] = ZIGZAG_SEGMENTS
-    fwd, bwd = (peer_bytes(schedule, shape, r, rank, backward=b, **kw) for b in (False, True))
-    r_in = inner or r
-    r_out = r // r_in
-    inner_next, outer_next = double_ring_peers(r, rank, r_in)
-    acc_unit = 2 * shape.batch * shape.kv_heads * shape.head_dim * shape.acc_bytes  # dK + dV per token
-    if schedule == "tasp":
-        links = tasp_peers(r, rank, r_in)
-        chunks = tasp_subchunks(shape.tokens, r_in, ZIGZAG_SEGMENTS)
-        closing = {p: acc_unit * s for p, s in zip(links, chunks, strict=True)}
-        inner_hop = links[0]
-    else:
-        closing = {inner_next: acc_unit * shape.tokens} if r_in > 1 else {}
-        inner_hop = inner_next
-    exposed_bwd = [closing, {outer_next: acc_unit * shape.tokens} if r_out > 1 else {}]
-    hops = [(r_out * (r_in - 1), inner_hop), (r_out - 1, outer_next)]
-    common = {"compute_steps": r, "steps": r - 1, "hops": hops}
-    return (
-        chain_phases(fwd, rank, ring, cl, compute=fwd_s, exposed=[], **common),
-        chain_phases(bwd, rank, ring, cl, compute=BWD_FACTOR * fwd_s, exposed=exposed_bwd, **common),
-    )
-
-
-def startrail(
-    st: Setting, ring: Ring, shape: LayerShape, rank: int, *, team_size: int, variant: str
-) -> tuple[Phases, Phases]:
-    """Team collectives exposed; the skew (and, backward, the closing hop and the un-skew) exposed;
-    m − 1 sub-ring hops pipelined beside m compute steps."""
-    r, c = ring.size, team_size
-    m = r // (c * c)
-    cl = st.cluster
-    fwd_s = st.forward_seconds
-    p = startrail_peers(r, rank, c)
-    b, a = shape.element_bytes, shape.acc_bytes
-    kv_hop = 2 * c * shape.kv_elements * b
-    if variant == "kv":
-        hop_b, back = kv_hop, 2 * c * shape.kv_elements * a
-    else:
-        hop_b, back = c * (2 * shape.q_elements * b + 2 * shape.row_heads * a), c * shape.q_elements * a
-    out = []
-    for backward in (False, True):
-        peers = peer_bytes(
-            "startrail", shape, r, rank, backward=backward, team_size=c, startrail_backward=variant
-        )
-        skew = {p.skew_target: hop_b if backward else kv_hop} if p.skew_target is not None else {}
-        exposed = [skew]
-        if backward:
-            exposed += [{p.subring_next: back} if m > 1 else {}]
-            exposed += [{p.unskew_target: back} if p.unskew_target is not None else {}]
-        phases = collective_phases(peers, rank, ring, cl)
-        phases.update(
-            chain_phases(
-                peers,
-                rank,
-                ring,
-                cl,
-                compute=fwd_s * (BWD_FACTOR if backward else 1),
-                compute_steps=m,
-                steps=m - 1,
-                hops=[(m - 1, p.subring_next)],
-                exposed=exposed,
-            )
-        )
-        out.append(phases)
-    return out[0], out[1]
-
-
-def collective_only(
-    st: Setting, ring: Ring, shape: LayerShape, rank: int, *, schedule: str, grid: tuple[int, int] | None
-) -> tuple[Phases, Phases]:
-    """ATTENTION2D (and all-gather CP): collectives, then the whole compute; nothing overlapped."""
-    out = []
-    for backward in (False, True):
-        peers = peer_bytes(schedule, shape, ring.size, rank, backward=backward, grid=grid)
-        phases = collective_phases(peers, rank, ring, st.cluster)
-        phases["compute"] = st.forward_seconds * (BWD_FACTOR if backward else 1)
-        out.append(phases)
-    return out[0], out[1]
-
-
-def ulysses_phases(st: Setting, degree: int) -> tuple[Phases, Phases]:
-    """USP's all-to-alls inside the node (bytes: comm_volume.ulysses_bytes, + Δ in backward)."""
-    from ds_seqpar.parallel.comm_volume import delta_bytes, ulysses_bytes
-
-    if degree == 1:
-        return {}, {}
-    m, cl = st.model, st.cluster
-    n = st.seq_len // st.world
-    args = (st.batch, n, m.heads, m.kv_heads, m.head_dim, degree, st.element_bytes, 0)
-    fwd = ulysses_bytes(*args, backward=False)
-    bwd = ulysses_bytes(*args, backward=True) + delta_bytes(st.batch, n, m.heads, degree, st.acc_bytes)
-    share = 1 if cl.intra == "switch" else degree - 1  # mesh: one link per peer, equal shares
-    latency = 2 * math.ceil(math.log2(degree)) * cl.lat_intra  # two exchanges each way
-    return (
-        {"ulysses all_to_all": fwd / share / cl.intra_bw + latency},
-        {"ulysses all_to_all": bwd / share / cl.intra_bw + latency},
-    )
-
-
-# ---------------------------------------------------------------------------------------------------
-# evaluation
-
-
-@dataclass
-class Result:
-    """One schedule's projected time (ms per layer) and its choice (C, grid, U, d)."""
-
-    schedule: str
-    choice: str
-    fwd_ms: float
-    bwd_ms: float
-    inter_mb: float  # bytes the busiest representative rank sends across nodes per layer (fwd + bwd)
-    intra_mb: float
-    phases: dict[str, dict[str, float]]
-
-    @property
-    def ms(self) -> float:
-        return self.fwd_ms + self.bwd_ms
-
-
-Evaluate = Callable[[int], tuple[Phases, Phases]]
-
-
-def slowest(
-    name: str, choice: str, ring: Ring, evaluate: Evaluate, traffic: Callable[[int], tuple[int, int]]
-) -> Result:
-    """Sum over phases of the slowest representative rank's phase time; traffic of the busiest rank."""
-    fwd: Phases = {}
-    bwd: Phases = {}
-    inter = intra = 0
-    for rank in ring.representatives():
-        f, b = evaluate(rank)
-        for acc, phases in ((fwd, f), (bwd, b)):
-            for key, sec in phases.items():
-                acc[key] = max(acc.get(key, 0.0), sec)
-        x, y = traffic(rank)
-        inter, intra = max(inter, x), max(intra, y)
-    return Result(
-        name,
-        choice,
-        1e3 * sum(fwd.values()),
-        1e3 * sum(bwd.values()),
-        inter / 1e6,
-        intra / 1e6,
-        {"forward": {k: 1e3 * v for k, v in fwd.items()}, "backward": {k: 1e3 * v for k, v in bwd.items()}},
-    )
-
-
-def traffic_of(ring: Ring, shape: LayerShape, schedule: str, **kw) -> Callable[[int], tuple[int, int]]:
-    """(inter-node, same-node) bytes of a rank, forward + backward."""
-
-    def count(rank: int) -> tuple[int, int]:
-        inter = intra = 0
-        for backward in (False, True):
-            for peer, kinds in peer_bytes(schedule, shape, ring.size, rank, backward=backward, **kw).items():
-                if ring.node_of[peer] == ring.node_of[rank]:
-                    intra += sum(kinds.values())
-                else:
-                    inter += sum(kinds.values())
-        return inter, intra
-
-    return count
+Setting = AttentionSetting  # one projected case: cluster, model, S, N (= world), batch, bytes per element
 
 
 def project(st: Setting) -> tuple[list[Result], dict[str, dict[str, float]]]:
@@ -415,7 +89,7 @@ def project(st: Setting) -> tuple[list[Result], dict[str, dict[str, float]]]:
     if st.seq_len % (2 * n_world):
         raise ValueError(f"seq_len={st.seq_len} is not a multiple of 2·world={2 * n_world} (zigzag layout)")
     n = st.seq_len // n_world
-    shape = _shape(st, n, m.heads, m.kv_heads)
+    shape = st.shape(n, m.heads, m.kv_heads)
     ring = Ring.on(st.cluster, n_world)
     out = []
     candidates: dict[str, dict[str, float]] = {"StarTrail": {}, "ATTENTION2D": {}}
@@ -478,7 +152,7 @@ def usp(st: Setting) -> Result:
     )
     r = st.world // u
     ring = Ring.on(st.cluster, r, stride=u)
-    shape = _shape(st, st.seq_len // r, m.heads // u, m.kv_heads // u)
+    shape = st.shape(st.seq_len // r, m.heads // u, m.kv_heads // u)
     a2a_f, a2a_b = ulysses_phases(st, u)
 
     def evaluate(q: int) -> tuple[Phases, Phases]:
@@ -486,12 +160,7 @@ def usp(st: Setting) -> Result:
         return a2a_f | f, a2a_b | b
 
     res = slowest("USP", f"U={u}, R={r}", ring, evaluate, traffic_of(ring, shape, "p2p"))
-    from ds_seqpar.parallel.comm_volume import delta_bytes, ulysses_bytes
-
-    n = st.seq_len // st.world
-    args = (st.batch, n, m.heads, m.kv_heads, m.head_dim, u, st.element_bytes, 0)
-    a2a = ulysses_bytes(*args) + ulysses_bytes(*args, backward=True)
-    a2a += delta_bytes(st.batch, n, m.heads, u, st.acc_bytes) if u > 1 else 0
+    a2a = sum(ulysses_bytes_of(st, u))
     res.intra_mb += a2a / 1e6
     return res
 

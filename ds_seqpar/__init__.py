@@ -31,6 +31,7 @@ Public API (more arrives with the attention, data and engine modules):
   category, docs/memory.md).
 """
 
+from ds_seqpar import plan as _plan  # noqa: F401 - registers the resolver of sequence_parallel.plan="auto"
 from ds_seqpar.comm.schedules import register_schedule
 from ds_seqpar.comm.stats import CommRegion, CommStats
 from ds_seqpar.comm.step_watch import StepFailed, StepWatch

@@ -9,6 +9,8 @@ reads. Resolved here and nowhere else:
     mlp_tile_tokens  "auto" -> max(1024, hidden_size) of the model config (1024 without one)
     ranks_per_node   "auto" -> the launcher's LOCAL_WORLD_SIZE (all ranks when unset)
     ring.layout      the layout the ring runs on (sparse balancing: stripes of sparse.block_size)
+    plan             "auto" -> ulysses_degree and the ring's schedule chosen by the planner (its registered
+                     resolver, ``register_plan_resolver``; docs/plan.md)
 
 Three choices are per call, not per run, and are resolved by their registries where the call's facts
 are known: ``kernel`` and ``sparse.kernel`` (``"auto"``: the device and dtype of the tensors) and
@@ -21,7 +23,7 @@ is a function of this module, used by the section's parse-time checks and by ``M
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +44,7 @@ __all__ = [
     "head_counts",
     "input_layout",
     "model_value",
+    "register_plan_resolver",
     "resolve_settings",
     "text_config",
 ]
@@ -270,6 +273,8 @@ def resolve_settings(
         )
     if world_size is not None:
         _check_world(section, world_size)
+    if getattr(section, "plan", "manual") == "auto":
+        section = _planned(section, model_config, world_size, environ)
     ulysses = _resolve_ulysses(section, model_config)
     check_ring(section, ulysses)
     world = world_size if world_size is not None else section.size * (section.data_parallel_size or 1)
@@ -291,6 +296,28 @@ def resolve_settings(
         fault_timeout_s=section.fault_timeout_s,
         dynamic_degree=section.dynamic_degree,
     )
+
+
+# plan="auto": the planner (a higher layer, ds_seqpar/plan/auto.py) registers its resolver here, so this
+# module never imports it; it returns the section with ulysses_degree and the ring filled in (docs/plan.md)
+_PLAN_RESOLVERS: list[Callable[..., Any]] = []
+
+
+def register_plan_resolver(resolver: Callable[..., Any]) -> None:
+    """Install the resolver of ``plan: "auto"``: ``resolver(section, model_config, world_size, environ)``
+    returns the section with the plan's choices filled in (``ds_seqpar.plan`` registers it on import)."""
+    _PLAN_RESOLVERS[:] = [resolver]
+
+
+def _planned(
+    section: Any, model_config: Any, world_size: int | None, environ: Mapping[str, str] | None
+) -> Any:
+    if not _PLAN_RESOLVERS:
+        raise SeqParConfigError(
+            'sequence_parallel.plan="auto" needs the planner, which registers itself when ds_seqpar.plan is imported; '
+            'import ds_seqpar (or ds_seqpar.plan) first, or set plan="manual"'
+        )
+    return _PLAN_RESOLVERS[0](section, model_config, world_size, environ)
 
 
 def _check_world(section: Any, world: int) -> None:

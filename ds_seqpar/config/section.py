@@ -52,6 +52,7 @@ AUTO = "auto"  # the policy value of the kernel keys: chosen per device and dtyp
 StarTrailBackward = Literal[BACKWARD_CHOICES]
 AttentionName = Literal["usp", "ulysses", "ring", "sparse_ring"]
 BalancingName = Literal["stripe", "dbsp", "none"]
+PlanName = Literal["manual", "auto"]
 
 
 def _fmt_choices(values: list[Any]) -> str:
@@ -329,6 +330,21 @@ class SequenceParallelConfig(_Section):
         description="Seconds a rank waits in a collective for a failed, dead or hung peer before it gives up and "
         "names the rank and step at fault (the process group's timeout; set when ds_seqpar starts torch.distributed).",
     )
+    plan: PlanName = Field(
+        "manual",
+        description="manual (ulysses_degree and ring as configured) | auto (the planner picks ulysses_degree and "
+        "the ring's schedule, inner_size, team_size, grid for this size, world and model at load, predicting "
+        "step time and peak memory per rank; a value set here that differs from its choice is refused; the "
+        "choice and why are logged; needs attention='usp'; docs/plan.md).",
+    )
+    plan_seq_len: Annotated[StrictInt, Field(ge=2)] | None = Field(
+        None, description='Tokens per sequence the plan="auto" optimises for; null: 32768.'
+    )
+    plan_cluster: str = Field(
+        "local",
+        description='What plan="auto" predicts on: local (this machine, measured once and cached under '
+        "~/.cache/ds_seqpar/) or a cluster preset of ds_seqpar/plan/clusters.py (h100-ib, a100-eth, mi300x-ib).",
+    )
 
     @field_validator("kernel")
     @classmethod
@@ -368,6 +384,7 @@ class SequenceParallelConfig(_Section):
             check_ring(self, 1)
         SCHEDULES[self.ring.schedule].check_section(self.ring)
         self._check_placement()
+        self._check_plan()
         self._check_sparse()
         self._check_schedule_keys()
         if not LAYOUTS[self.ring.layout].takes_granularity and self.ring.granularity != 1:
@@ -377,6 +394,22 @@ class SequenceParallelConfig(_Section):
                 f"'{self.ring.layout}'); valid: remove granularity or set ring.{only}"
             )
         return self
+
+    def _check_plan(self) -> None:
+        """plan="auto" chooses U, so it needs the usp algorithm; the plan_* keys only apply to it."""
+        if self.plan == "manual":
+            for key in ("plan_seq_len", "plan_cluster"):
+                if key in self.model_fields_set:
+                    raise ValueError(
+                        f"sequence_parallel.{key} is set but plan='manual' ignores it; valid: plan='auto', "
+                        f"or remove {key}"
+                    )
+            return
+        if self.attention != "usp":
+            raise ValueError(
+                f"sequence_parallel.plan='auto' chooses ulysses_degree, which attention='{self.attention}' fixes; "
+                "valid: attention='usp' (the default), or plan='manual'"
+            )
 
     def _check_placement(self) -> None:
         """A per-batch document placement needs a schedule on the ring layout's own ranks, and dense attention;
