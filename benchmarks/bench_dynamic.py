@@ -173,8 +173,8 @@ def _gathered(times: list[float]) -> list[list[float]]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mix", default="longtail_128k")
-    p.add_argument("--mix-rows", type=int, default=8, help="rows of the mix whose documents are trained on")
-    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--mix-rows", type=int, default=16, help="rows of the mix whose documents are trained on")
+    p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--out", default="dynamic_cpu", help="results/<out>.{json,md}")
     args = p.parse_args(argv)
