@@ -92,3 +92,14 @@ def test_balanced_packing_trains_like_one_process(dist_pool, tmp_path):
     assert len(losses[1]) == 4
     for sp, ref in zip(losses[4], losses[1], strict=True):
         assert abs(sp - ref) <= 1e-5 * abs(ref), losses
+
+
+def test_the_docs_example_runs_as_written(capsys):
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "balance.md").read_text()
+    example = [b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "pack_by_degree" in b]
+    exec(example[0], {})
+    printed = capsys.readouterr().out
+    assert "['attention_mask', 'input_ids', 'labels', 'position_ids']" in printed, printed

@@ -207,7 +207,8 @@ def _setting_rows(
         ("U (ulysses_degree)", f"{u}{_auto_note(section, heads, kv_heads)}"),
         ("R (ring degree)", f"{r} = R_outer {plan.ring_outer_size} x R_inner {plan.ring_inner_size}"),
         ("attention", settings.attention),
-        ("layout", ring.layout + (f" (granularity {ring.granularity})" if LAYOUTS[ring.layout].takes_granularity else "")),
+        ("layout", ring.layout + (f" (granularity {ring.granularity})" if LAYOUTS[ring.layout].takes_granularity else "")
+         + (", dynamic_degree: each batch in groups of the smallest p | P that balances" if settings.dynamic_degree else "")),
         ("ring schedule", f"{ring.schedule}, overlap {'on' if ring.overlap else 'off'}"),
         ("ranks per node", str(settings.ranks_per_node)),
     ]  # fmt: skip
