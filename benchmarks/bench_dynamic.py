@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import save_results
-from ds_seqpar import SeqParCausalLM, SeqParMesh, shard_batch
+from benchmarks.common import save_results, sum_grads
+from ds_seqpar import SeqParCausalLM, SeqParMesh, input_layout, shard_batch
 from ds_seqpar.settings import auto_ulysses_degree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,16 +80,6 @@ def _model(seed: int = 0) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
 
 
-def _sum_grads(model: torch.nn.Module) -> None:
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def run_system(name: str, docs: list[torch.Tensor], seq_len: int) -> dict:
     """One pass of one system over its rows: times, tokens and the degrees its rows ran at."""
     packing, ring, dynamic = SYSTEMS[name]
@@ -113,12 +103,12 @@ def run_system(name: str, docs: list[torch.Tensor], seq_len: int) -> dict:
         shard = shard_batch(batch, mesh)
         loss = sp(**shard)
         loss.backward()
-        _sum_grads(sp)
+        sum_grads(sp)
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
         losses.append(float(loss))
-        layout = ds_seqpar_layout(mesh, shard["doc_ids"])
+        layout = input_layout(mesh, shard["doc_ids"])
         degrees[layout.group_degree or world] += 1
         per_row.append(layout.group_degree or world)
         pairs += _pairs(row)
@@ -141,12 +131,6 @@ def run_system(name: str, docs: list[torch.Tensor], seq_len: int) -> dict:
         "row_seconds": slowest,
         "mean_loss": sum(losses) / len(losses),
     }
-
-
-def ds_seqpar_layout(mesh: SeqParMesh, doc_ids: torch.Tensor | None):
-    from ds_seqpar import input_layout
-
-    return input_layout(mesh, doc_ids)
 
 
 def _pairs(row: dict) -> int:

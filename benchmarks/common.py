@@ -20,6 +20,19 @@ def slowest_rank_median(step: Callable[[], None], reps: int) -> float:
     return statistics.median(slowest_rank_times(step, reps))
 
 
+def sum_grads(model: torch.nn.Module) -> None:
+    """All-reduce (sum) every parameter gradient over the world, in one flat message."""
+    if dist.get_world_size() == 1:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def gather_floats(value: float) -> list[float]:
     """``value`` from every rank, in rank order."""
     out = [torch.zeros(1) for _ in range(dist.get_world_size())]

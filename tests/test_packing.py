@@ -103,3 +103,23 @@ def test_the_docs_example_runs_as_written(capsys):
     exec(example[0], {})
     printed = capsys.readouterr().out
     assert "['attention_mask', 'input_ids', 'labels', 'position_ids']" in printed, printed
+
+
+def _bench_rows() -> list[dict]:
+    from benchmarks.bench_dynamic import run_system
+
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(4, 100, (n,), generator=g) for n in [12, 30, 7, 90, 180, 25, 60, 40, 200, 15] * 3]
+    return [run_system(name, docs, 256) for name in ("default", "balanced+dynamic")]
+
+
+def test_the_length_mix_benchmark_runs_every_degree(dist_pool):
+    """benchmarks/bench_dynamic.py on 2 ranks: fixed rows at the whole group; balanced rows of whole
+    documents at p = 1 where they are short, every document's tokens trained once."""
+    default, dynamic = dist_pool(2).run(_bench_rows)[0]
+    assert default["degrees"] == f"p=2: {default['steps']}" and default["padding_pct"] == 0.0
+    assert (
+        "p=1:" in dynamic["degrees"]
+        and dynamic["tokens"] == sum([12, 30, 7, 90, 180, 25, 60, 40, 200, 15]) * 3 + 30
+    )
+    assert all(r["tokens_per_s"] > 0 and r["mean_loss"] > 0 for r in (default, dynamic))

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import measure
-from benchmarks.common import gather_floats
+from benchmarks.common import gather_floats, sum_grads
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "assets" / "tiny-llama"
@@ -51,25 +51,13 @@ def _ids(seq_len: int, vocab: int) -> torch.Tensor:
 def _finish_step(model: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor) -> float:
     """Backward, gradient sum over the ranks, optimizer step; the loss summed over the ranks."""
     loss.backward()
-    _sum_grads(model)
+    sum_grads(model)
     opt.step()
     opt.zero_grad(set_to_none=True)
     total = loss.detach().clone()
     if dist.get_world_size() > 1:
         dist.all_reduce(total)
     return float(total)
-
-
-def _sum_grads(model: torch.nn.Module) -> None:
-    if dist.get_world_size() == 1:
-        return
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 class DsSeqpar:
@@ -98,7 +86,7 @@ class DsSeqpar:
         batch = shard_batch({"input_ids": ids}, self.mesh)
         loss = self.model(**batch)
         loss.backward()
-        _sum_grads(self.model)
+        sum_grads(self.model)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return float(loss)
