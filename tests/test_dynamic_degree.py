@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from benchmarks.bench_placement import scaled_rows
 from ds_seqpar import parse_section
 from ds_seqpar.layout import GroupedPlacement, LayoutError, dynamic_placement, place_in_groups
 from ds_seqpar.layout.documents import document_lengths
@@ -79,7 +80,8 @@ def test_dynamic_degree_needs_the_documents_layout():
 
 
 def _cases(p: int) -> list[tuple[AttentionCase, int]]:
-    """(case, the degree its batch runs at) on U 1 and U 2 meshes, with GQA, windows, padding, fp32."""
+    """(case, the degree its batch runs at) on U 1 and U 2 meshes, with GQA, windows, padding, fp32, and the
+    first row of every shipped length mix scaled to S."""
     s, n = 16 * p, 16
     base = AttentionCase(layout="documents", dynamic=True, seq_len=s, h=8, h_kv=8, seed=31)
     cases = [
@@ -98,6 +100,10 @@ def _cases(p: int) -> list[tuple[AttentionCase, int]]:
     if p >= 8:
         quads = [3 * n, n] * (p // 4)
         cases.append((replace(base, u=1, cu_seqlens=_cu(quads), seed=34), 4))  # rings of 4
+    for i, cu in enumerate(scaled_rows(s, 1).values()):  # row 0 of every shipped mix, scaled to S
+        case = replace(base, u=2 if p >= 4 and i % 2 else 1, cu_seqlens=tuple(cu), seed=40 + i)
+        plan = dynamic_placement(document_lengths(case.doc_ids()), s, p)
+        cases.append((case, p if plan is None else plan.degree))
     return cases
 
 
