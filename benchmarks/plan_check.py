@@ -193,8 +193,12 @@ def _ranking(rows: list[dict]) -> list[dict]:
         fastest = min(group, key=lambda r: r["time_s"])
         pick = min(group, key=lambda r: r["predicted_s"])
         ratio = pick["time_s"] / fastest["time_s"]
+        second = sorted(r["time_s"] for r in group)[1] / fastest["time_s"] - 1
+        # run-to-run noise: the median over configurations of (slowest - fastest repetition) / median
+        noise = statistics.median((max(r["times_s"]) - min(r["times_s"])) / r["time_s"] for r in group)
         cases.append({"P": key[0], "S": key[1], "measured_fastest": fastest["config"], "planner_pick": pick["config"],
-                      "pick_over_fastest": ratio, "hit": ratio <= 1 + RANK_SLACK})  # fmt: skip
+                      "pick_over_fastest": ratio, "hit": ratio <= 1 + RANK_SLACK, "runner_up_gap": second,
+                      "repeat_spread": noise})  # fmt: skip
     return cases
 
 
@@ -224,12 +228,16 @@ def _markdown(rows: list[dict], cases: list[dict], meta: dict) -> str:
                      f"{r['memory_error']:+.0%} |")  # fmt: skip
     lines += [
         "",
-        "| P | S | measured fastest | planner's pick | pick / fastest (measured) | hit |",
-        "|---|---|---|---|---|---|",
+        "Noise: runner-up gap = the second-fastest configuration's measured time over the fastest's, - 1;",
+        "repeat spread = the median over the configurations of (slowest - fastest repetition) / median.",
+        "",
+        "| P | S | measured fastest | planner's pick | pick / fastest (measured) | hit | runner-up gap | repeat spread |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for c in cases:
         lines.append(f"| {c['P']} | {c['S']} | {c['measured_fastest']} | {c['planner_pick']} | "
-                     f"{c['pick_over_fastest']:.3f} | {'yes' if c['hit'] else 'no'} |")  # fmt: skip
+                     f"{c['pick_over_fastest']:.3f} | {'yes' if c['hit'] else 'no'} | {c['runner_up_gap']:.1%} | "
+                     f"{c['repeat_spread']:.1%} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

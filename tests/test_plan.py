@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,8 @@ from ds_seqpar.plan.candidates import allowed_ulysses
 from ds_seqpar.plan.cli import main as plan_main
 from ds_seqpar.plan.clusters import GIB
 from ds_seqpar.plan.compute import ModelDims, zigzag_row_work, zigzag_work
-from ds_seqpar.plan.profile import ComputeProfile, profile_key
+from ds_seqpar.plan.predict import _block_seconds, sp_calibration, sp_step_seconds
+from ds_seqpar.plan.profile import ComputeProfile, profile_key, sp_profile_key
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "assets" / "tiny-llama"
@@ -164,7 +166,7 @@ def test_command_line_table_and_json(tmp_path, capsys):
     parse_section({**first["section"], "ranks_per_node": 8}).validate(load_model_config(LLAMA_8B)[0], 16)
 
 
-def _cached_profile(tmp_path: Path, config, ranks: int) -> Path:
+def _cached_profile(tmp_path: Path, config, ranks: int, sp: dict | None = None) -> Path:
     """A local profile cache written by hand (what a measurement would store), so nothing is measured."""
     dims = ModelDims.read(config)
     profile = ComputeProfile(
@@ -174,7 +176,8 @@ def _cached_profile(tmp_path: Path, config, ranks: int) -> Path:
     import platform
 
     path.write_text(json.dumps({profile_key(dims, "fp32", "cpu"): profile.to_json(),
-                                f"latency-{platform.node()}-{ranks}": {"round_s": 1e-3, "allreduce_s": 2e-3}}))  # fmt: skip
+                                f"latency-{platform.node()}-{ranks}": {"round_s": 1e-3, "allreduce_s": 2e-3},
+                                sp_profile_key(dims, "fp32", "cpu", ranks): sp or {}}))  # fmt: skip
     return path
 
 
@@ -260,3 +263,66 @@ def test_candidate_section_round_trip():
         "tiled_norms": True,
     }
     assert (c.ring, c.ring_label) == (4, "double ring (inner 2)")
+
+
+def _probe(ctx, kind: str, ulysses: int, factor: float, call_s: float) -> dict:
+    """An attention probe as ``plan/sp_probe.py`` stores it, timed at ``factor`` × the block model +
+    ``call_s`` (what a measurement would give for that engine)."""
+    r, tokens = 4, [512, 2048]
+    scale = (1 + ctx.profile.attention_backward) * ctx.compute_scale
+    model = [
+        _block_seconds(ctx.profile, zigzag_work(n * r, r // ulysses), 4 // ulysses, 16) * scale
+        for n in tokens
+    ]
+    return {"ranks": r, "ulysses": ulysses, "heads": 4, "head_dim": 16, "tokens": tokens,
+            "seconds": [factor * m + call_s for m in model]}  # fmt: skip
+
+
+def test_local_profile_calibrates_the_sp_path(tmp_path, tiny):
+    """The SP-path probe's figures (docs/plan.md "Clusters and calibrating"): the attention's factor and
+    per-call seconds over the block model, and the fixed seconds per step less what the calls count."""
+    path = _cached_profile(tmp_path, tiny, 4)
+    ctx = plan_context(tiny, world=4, ranks_per_node=4, cluster="local", seq_len=8192, profile_path=path)
+    assert sp_calibration(ctx, "ring") == (1.0, 0.0) and sp_step_seconds(ctx, Candidate(4, 1)) is None
+    sp = {"sp_step_s": {"ring": 0.05, "ulysses": 0.02},
+          "attention_probes": {"ring": _probe(ctx, "ring", 1, 1.3, 0.004), "ulysses": _probe(ctx, "ulysses", 4, 1.0, 0.0)}}  # fmt: skip
+    path = _cached_profile(tmp_path, tiny, 4, sp)
+    ctx = plan_context(tiny, world=4, ranks_per_node=4, cluster="local", seq_len=8192, profile_path=path)
+    factor, call_s = sp_calibration(ctx, "ring")
+    assert factor == pytest.approx(1.3) and call_s == pytest.approx(0.004)
+    assert sp_calibration(ctx, "ulysses") == pytest.approx((1.0, 0.0), abs=1e-9)
+    assert sp_step_seconds(ctx, Candidate(4, 1)) == pytest.approx(0.05 - tiny.num_hidden_layers * 0.004)
+    assert sp_step_seconds(ctx, Candidate(4, 4)) == pytest.approx(0.02)
+    by_kind = {p.candidate.ring: p for p in rank(ctx, default_budget(ctx), sizes=[4], memory=("none",))}
+    assert by_kind[4].parts["SP path per step"] == pytest.approx(0.05 - tiny.num_hidden_layers * 0.004)
+    preset = plan_context(tiny, world=4, ranks_per_node=4, cluster="h100-ib", seq_len=8192)
+    assert sp_calibration(preset, "ring") == (1.0, 0.0)
+
+
+def test_causal_cost_by_block_side():
+    p = ComputeProfile(
+        "t", 6e10, 0.65, 2.5, 5e-5, 1e11, 2e10, 1e10, GIB, causal_costs={"1024": 0.8, "4096": 0.6}
+    )
+    assert p.causal_cost_at(2048) == pytest.approx(0.7)
+    assert p.causal_cost_at(1 << 20) == 0.5 and p.causal_cost_at(64) == 1.0
+    assert p.causal_cost_at(0) == 0.65 and zigzag_work(8192, 4).side == 1024
+
+
+def test_dynamic_degree_candidates(tiny):
+    """Packed rows add documents + dynamic_degree candidates: a row of short documents runs at p = 1 (no
+    attention communication, faster than the fixed policy), a row with a long document on all P ranks."""
+    short, long = [256] * 16, [3584, 512]
+    for rows, degrees in (([short, short], {1: 2}), ([long], {4: 1})):
+        ctx = plan_context(tiny, world=4, ranks_per_node=4, cluster="h100-ib", seq_len=4096, rows=rows)
+        ranked = rank(ctx, float("inf"), sizes=[4], memory=("none",))
+        dynamic = [p for p in ranked if p.candidate.policy == "dynamic"]
+        assert dynamic and all(p.candidate.layout == "documents" for p in dynamic)
+        for p in dynamic:
+            assert p.degrees == degrees and p.candidate.section()["dynamic_degree"] is True
+            parse_section({**p.candidate.section(), "ranks_per_node": 4}).validate(tiny, 4)
+            fixed = next(f for f in ranked if f.candidate == replace(p.candidate, dynamic=False))
+            if 1 in degrees:
+                assert p.bytes_by_link["intra"] == 0 and p.step_s < fixed.step_s
+                assert "dynamic (p=1: 2 of 2 rows; 2 below P=4)" in p.reasons
+            else:
+                assert p.step_s == pytest.approx(fixed.step_s)

@@ -42,12 +42,18 @@ class Candidate:
     memory: str = "none"  # a key of MEMORY_SAVINGS
     micro_batch: int = 1
     data_parallel: int = 1
+    dynamic: bool = False  # sequence_parallel.dynamic_degree (layout "documents" only; docs/balance.md)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def ring(self) -> int:
         """R = P / U."""
         return self.size // self.ulysses
+
+    @property
+    def policy(self) -> str:
+        """The SP-degree policy: ``dynamic`` (a degree per batch, ``dynamic_degree``) or ``fixed`` (P)."""
+        return "dynamic" if self.dynamic else "fixed"
 
     @property
     def ring_label(self) -> str:
@@ -73,12 +79,13 @@ class Candidate:
             ring["team_size"] = self.team_size
         if self.grid is not None:
             ring["grid"] = list(self.grid)
-        return {
+        section = {
             "size": self.size,
             "ulysses_degree": self.ulysses,
             "ring": ring,
             "memory": {key: True for key in MEMORY_SAVINGS[self.memory]},
         }
+        return section | ({"dynamic_degree": True} if self.dynamic else {})
 
 
 def allowed_ulysses(size: int, heads: int, kv_heads: int) -> list[int]:

@@ -105,14 +105,14 @@ def parser() -> argparse.ArgumentParser:
 
 def table(ranked: list[Prediction], budget: float) -> str:
     """The ranked rows as a markdown table."""
-    head = ("rank | P x dp | U | R | inner ring | schedule | layout | memory savings | B | step s | s / sequence "
+    head = ("rank | P x dp | U | R | inner ring | schedule | layout | policy | memory savings | B | step s | s / sequence "
             "| peak GiB/rank | inter-node GB | intra-node GB | reasons")  # fmt: skip
     lines = [f"| {head} |", "|" + "---|" * (head.count("|") + 1)]
     for i, p in enumerate(ranked, 1):
         c = p.candidate
         inner = str(c.inner) if c.inner else ("-" if c.ring == 1 else "single")
         cells = [str(i), f"{c.size} x {c.data_parallel}", str(c.ulysses), str(c.ring), inner, c.ring_label,
-                 c.layout, c.memory, str(c.micro_batch), f"{p.step_s:.4g}", f"{p.seconds_per_sequence:.4g}",
+                 c.layout, c.policy, c.memory, str(c.micro_batch), f"{p.step_s:.4g}", f"{p.seconds_per_sequence:.4g}",
                  f"{p.peak_bytes / GIB:.3g}", f"{p.bytes_by_link['inter'] / 1e9:.3g}",
                  f"{p.bytes_by_link['intra'] / 1e9:.3g}", p.reasons]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
@@ -126,7 +126,7 @@ def as_json(p: Prediction) -> dict:
         "size": c.size, "data_parallel": c.data_parallel, "ulysses": c.ulysses, "ring": c.ring,
         "inner": c.inner, "schedule": c.schedule, "ring_label": c.ring_label, "team_size": c.team_size,
         "grid": list(c.grid) if c.grid else None, "layout": c.layout, "memory": c.memory,
-        "micro_batch": c.micro_batch, "step_s": p.step_s, "seconds_per_sequence": p.seconds_per_sequence,
+        "micro_batch": c.micro_batch, "policy": c.policy, "degrees": p.degrees, "step_s": p.step_s, "seconds_per_sequence": p.seconds_per_sequence,
         "peak_bytes": p.peak_bytes, "step_bytes": p.step_bytes, "bytes_by_link": p.bytes_by_link,
         "parts_s": p.parts, "fits": p.fits, "reasons": p.reasons, "section": c.section(),
     }  # fmt: skip

@@ -107,12 +107,14 @@ class ModelDims:
 class AttentionWork:
     """Query-key pairs one rank computes per head in one layer's forward: ``full`` = pairs of full
     blocks, ``causal_area`` = the area of causal (diagonal) blocks (they compute about half of it),
-    ``calls`` = kernel calls, ``visible`` = visible pairs (the balance measure)."""
+    ``calls`` = kernel calls, ``visible`` = visible pairs (the balance measure), ``side`` = tokens a side of
+    the causal blocks (0: unknown; the profile's causal cost then holds for every side)."""
 
     full: float
     causal_area: float
     calls: int
     visible: float
+    side: float = 0.0
 
     def cost(self, causal_cost: float) -> float:
         """Full-pair equivalents: a causal block of area A costs ``causal_cost`` × A."""
@@ -124,11 +126,12 @@ def zigzag_work(seq_len: int, ring: int, batch: int = 1) -> AttentionWork:
     segments r and 2R−1−r of c = S/(2R) tokens; 2R−1 full c×c blocks and 2 causal ones. R = 1: the two
     segments are one run, one causal S×S block."""
     if ring == 1:
-        return AttentionWork(0.0, batch * float(seq_len) ** 2, batch, batch * seq_len * (seq_len + 1) / 2)
+        visible = batch * seq_len * (seq_len + 1) / 2
+        return AttentionWork(0.0, batch * float(seq_len) ** 2, batch, visible, float(seq_len))
     c = seq_len / (2 * ring)
     full = (2 * ring - 1) * c * c
     return AttentionWork(
-        batch * full, batch * 2 * c * c, batch * (2 * ring + 1), batch * (full + c * (c + 1))
+        batch * full, batch * 2 * c * c, batch * (2 * ring + 1), batch * (full + c * (c + 1)), c
     )
 
 

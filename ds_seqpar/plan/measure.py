@@ -2,7 +2,8 @@
 one thread, the model's widths and dtype.
 
     attention   the attention kernel on n×n blocks (n = 2048, 4 heads, the model's D), full and causal,
-                forward and backward; a 64-token block for the per-call overhead
+                forward and backward; a 64-token block for the per-call overhead; full and causal forward
+                at 512 to 8192 tokens a side (the causal cost per side)
     model       the model itself (its config with 1 and 2 layers, random weights, its attention core
                 replaced by q + k + v) training steps of 512 and 2048 tokens: per layer and per step,
                 seconds per token and fixed seconds; a large model (> 50 M
@@ -10,6 +11,8 @@ one thread, the model's widths and dtype.
     matmul      a [2048, E] × [E, I] product
     latencies   ``ranks`` gloo processes on this machine: one ring round (batched isend / irecv) and one
                 small all-reduce
+    SP path     ``ranks`` gloo processes: the SP path's fixed seconds per step and the ring engine's
+                attention at two sizes (``plan/sp_probe.py``)
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from typing import Any
 from ds_seqpar.plan.clusters import GB, GIB
 from ds_seqpar.plan.compute import ModelDims
 
-__all__ = ["compute_profile", "latencies"]
+__all__ = ["compute_profile", "latencies", "sp_costs"]
 
 SMALL, LARGE = 512, 2048  # tokens of the model probe's two steps
 BLOCK = 2048  # tokens a side of the attention probe's blocks
+CAUSAL_SIDES = (512, 1024, 2048, 4096, 8192)  # sides at which a causal block's cost is measured
 MAX_PROBE_PARAMS = 50e6
 
 
@@ -61,6 +65,7 @@ def compute_profile(dims: ModelDims, dtype: str, device: str, model_config: Any 
         f"{time.strftime('%Y-%m-%d')})",
         "attention_flops": attn["flops"], "causal_cost": attn["causal_cost"],
         "attention_backward": attn["backward"], "call_overhead_s": attn["call_s"], "matmul_flops": matmul,
+        "causal_costs": attn["causal_costs"],
         "memory_bw": model["memory_bw"], "host_bw": 10 * GB, "memory_bytes": _memory_bytes(),
         "layer_token_s": model["token_s"], "layer_call_s": model["call_s"],
         "head_token_s": model["head_token_s"], "step_call_s": model["step_s"],
@@ -87,21 +92,30 @@ def _attention_probe(dims: ModelDims, dt: Any, device: str) -> dict[str, float]:
     heads, d, n = 4, dims.head_dim, BLOCK
     scale = d**-0.5
 
-    def block(tokens: int, causal: bool) -> tuple[float, float]:
+    def block(tokens: int, causal: bool, backward: bool = True) -> tuple[float, float]:
         q, k, v = (torch.randn(1, tokens, heads, d, dtype=dt, device=device) for _ in range(3))
         out, lse = kernel.forward(q, k, v, scale, None, causal)
         dout = torch.randn_like(out)
-        fwd = _best(lambda: kernel.forward(q, k, v, scale, None, causal))
-        bwd = _best(lambda: kernel.backward(dout, q, k, v, out, lse, scale, None, causal))
+        reps = 5 if tokens <= n else 3
+        fwd = _best(lambda: kernel.forward(q, k, v, scale, None, causal), reps)
+        if not backward:
+            return fwd, 0.0
+        bwd = _best(lambda: kernel.backward(dout, q, k, v, out, lse, scale, None, causal), reps)
         return fwd, bwd
 
     full_f, full_b = block(n, False)
     causal_f, _ = block(n, True)
     small_f, small_b = block(64, False)
     call_s = (small_f + small_b) / 2
+    costs = {}  # a causal block's forward over a full one's, per side (the kernel skips more of a larger one)
+    for side in CAUSAL_SIDES:
+        f_full = full_f if side == n else block(side, False, backward=False)[0]
+        f_causal = causal_f if side == n else block(side, True, backward=False)[0]
+        costs[str(side)] = (f_causal - call_s) / max(f_full - call_s, 1e-9)
     return {
         "flops": 4 * d * heads * n * n / max(full_f - call_s, 1e-9),
         "causal_cost": (causal_f - call_s) / max(full_f - call_s, 1e-9),
+        "causal_costs": costs,
         "backward": full_b / full_f,
         "call_s": call_s,
     }
@@ -193,6 +207,34 @@ def _memory_bytes() -> float:
 def latencies(ranks: int, timeout_s: float = 120.0) -> dict[str, float]:
     """One ring round and one small all-reduce among ``ranks`` gloo processes on this machine (seconds):
     ``python -m ds_seqpar.plan.latency`` started ``ranks`` times (rank 0 prints the figures)."""
+    return _spawn("ds_seqpar.plan.latency", ranks, [], timeout_s, "the latency probe")
+
+
+def sp_costs(ranks: int, model_config: Any, dims: ModelDims, dtype: str, timeout_s: float = 300.0) -> dict:
+    """The SP path's fixed seconds per step and the ring engine's timings among ``ranks`` gloo processes
+    (``python -m ds_seqpar.plan.sp_probe``; its doc says what is timed): ``{"sp_step_s": {kind: s},
+    "ring_probe": {...}}``. The fixed step is measured only for a model small enough to build."""
+    import json
+    import tempfile
+
+    data = model_config.to_dict() if hasattr(model_config, "to_dict") else dict(model_config)
+    fixed = _probe_params(dims) <= MAX_PROBE_PARAMS and "model_type" in data
+    if "model_type" not in data:  # a config without its type: the ring probe reads the widths only
+        data = {"model_type": "llama", "hidden_size": dims.hidden, "num_attention_heads": dims.heads,
+                "num_key_value_heads": dims.kv_heads, "head_dim": dims.head_dim,
+                "intermediate_size": dims.intermediate, "num_hidden_layers": 1, "vocab_size": dims.vocab}  # fmt: skip
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(data, f, default=str)
+    try:
+        return _spawn("ds_seqpar.plan.sp_probe", ranks, [f.name, dtype, "1" if fixed else "0"], timeout_s,
+                      "the SP-path probe")  # fmt: skip
+    finally:
+        os.unlink(f.name)
+
+
+def _spawn(module: str, ranks: int, args: list[str], timeout_s: float, what: str) -> dict:
+    """``python -m module RANK RANKS PORT *args`` started ``ranks`` times, one thread each; rank 0's last
+    line of output, parsed as JSON."""
     import json
     import socket
     import subprocess
@@ -206,7 +248,7 @@ def latencies(ranks: int, timeout_s: float = 120.0) -> dict[str, float]:
         env.pop(key, None)
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "ds_seqpar.plan.latency", str(rank), str(ranks), str(port)],
+            [sys.executable, "-m", module, str(rank), str(ranks), str(port), *args],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -220,5 +262,5 @@ def latencies(ranks: int, timeout_s: float = 120.0) -> dict[str, float]:
         for proc in procs:
             proc.kill()
     if any(proc.returncode for proc in procs):
-        raise RuntimeError(f"--cluster local: the latency probe of {ranks} gloo processes failed")
+        raise RuntimeError(f"--cluster local: {what} of {ranks} gloo processes failed")
     return json.loads(outs[0].strip().splitlines()[-1])

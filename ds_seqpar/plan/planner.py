@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -179,12 +180,15 @@ def rank(
         found = False
         for c in candidates([size], ctx.world, ctx.dims.heads, ctx.dims.kv_heads, ctx.ranks_per_node,
                             layouts=layouts, memory=memory, micro_batches=micro_batches):  # fmt: skip
-            settings = _settings(ctx, c, base_section)
-            if settings is None:
-                continue
-            pred = predict(ctx, c, settings, budget_bytes)
-            (fitting if pred.fits else unfit).append(pred)
-            found |= pred.fits
+            # packed rows: a documents candidate also under a dynamic SP degree (docs/balance.md)
+            dynamic = ctx.rows and c.layout == "documents" and size > 1
+            for one in (c, replace(c, dynamic=True)) if dynamic else (c,):
+                settings = _settings(ctx, one, base_section)
+                if settings is None:
+                    continue
+                pred = predict(ctx, one, settings, budget_bytes)
+                (fitting if pred.fits else unfit).append(pred)
+                found |= pred.fits
         sizes_fit += found
         if not explicit and sizes_fit >= SIZES_PAST_FIRST_FIT:
             break

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ds_seqpar.comm.model import startrail_backward_choice
+from ds_seqpar.layout.grouped import dynamic_placement
 from ds_seqpar.memory.estimate import memory_estimate
 from ds_seqpar.plan.attention_time import (
     AttentionSetting,
@@ -75,6 +76,19 @@ class Prediction:
     parts: dict[str, float] = field(default_factory=dict)
     reasons: str = ""
     fits: bool = True
+    degrees: dict[int, int] = field(default_factory=dict)  # rows per SP degree the step runs them at
+
+    @property
+    def policy_note(self) -> str:
+        """The SP-degree policy and why: ``fixed`` (every row on P ranks) or ``dynamic`` with the rows it
+        runs at each degree (p = 1: no attention communication)."""
+        c = self.candidate
+        if not c.dynamic:
+            return "fixed"
+        rows = sum(self.degrees.values())
+        counts = ", ".join(f"p={p}: {n}" for p, n in self.degrees.items())
+        small = rows - self.degrees.get(c.size, 0)
+        return f"dynamic ({counts} of {rows} rows; {small} below P={c.size})"
 
     @property
     def seconds_per_sequence(self) -> float:
@@ -104,16 +118,68 @@ def _work(ctx: PlanContext, c: Candidate, row: Sequence[int] | None) -> Attentio
     else:
         one = zigzag_row_work(row, ctx.seq_len, c.ring)
     b = c.micro_batch
-    return AttentionWork(one.full * b, one.causal_area * b, one.calls * b, one.visible * b)
+    return AttentionWork(one.full * b, one.causal_area * b, one.calls * b, one.visible * b, one.side)
+
+
+def _kind(c: Candidate) -> str | None:
+    """Which SP-path probe a candidate's attention follows: ``ring`` (R > 1), ``ulysses`` (R = 1 < U)."""
+    return None if c.size == 1 else "ring" if c.ring > 1 else "ulysses"
 
 
 def _attention_forward_s(ctx: PlanContext, c: Candidate, work: AttentionWork) -> float:
     """One rank's forward attention compute in one layer (its heads H / U): full-pair equivalents ×
-    4·D FLOPs per pair and head at the profile's throughput, plus the per-call overhead."""
-    p, d = ctx.profile, ctx.dims.head_dim
-    heads = ctx.dims.heads // c.ulysses
-    seconds = work.cost(p.causal_cost) * heads * 4 * d / p.attention_flops + work.calls * p.call_overhead_s
-    return seconds * ctx.compute_scale
+    4·D FLOPs per pair and head at the profile's throughput, plus the per-call overhead; under SP at the
+    measured factor of ``ds_seqpar.attention`` over that block model, plus its per-call seconds
+    (``sp_calibration``)."""
+    seconds = _block_seconds(ctx.profile, work, ctx.dims.heads // c.ulysses, ctx.dims.head_dim)
+    seconds *= ctx.compute_scale
+    factor, call_s = sp_calibration(ctx, _kind(c))
+    return factor * seconds + call_s / (1 + ctx.profile.attention_backward)
+
+
+def _block_seconds(p: ComputeProfile, work: AttentionWork, heads: int, head_dim: int) -> float:
+    """The block model: forward seconds of ``work`` on ``heads`` heads, one thread, no scale."""
+    cost = work.full + p.causal_cost_at(work.side) * work.causal_area
+    return cost * heads * 4 * head_dim / p.attention_flops + work.calls * p.call_overhead_s
+
+
+def sp_calibration(ctx: PlanContext, kind: str | None) -> tuple[float, float]:
+    """(factor, seconds per call) of ``ds_seqpar.attention`` of ``kind`` (``ring``: the ring engine over R
+    ranks; ``ulysses``: the all-to-alls around one block) against the block model, from the profile's
+    probe (``plan/sp_probe.py``: forward + backward at two sizes among the node's ranks): factor = the
+    measured slope / the block model's slope between the two sizes (the ring's backward tiles, merges and
+    accumulator moves; the Ulysses copies), seconds per call = the larger size's measured time − factor ×
+    model. (1, 0) without a probe (presets, one rank)."""
+    probes = ctx.profile.attention_probes or {}
+    probe = probes.get(kind) if kind else None
+    if not probe or ctx.cluster.name != "local":
+        return 1.0, 0.0
+    key = ("calibration", kind)
+    if key not in ctx.memo:
+        r, u, scale = probe["ranks"], probe["ulysses"], ctx.compute_scale
+        model = [
+            _block_seconds(ctx.profile, zigzag_work(n * r, r // u), probe["heads"] // u, probe["head_dim"])
+            * (1 + ctx.profile.attention_backward)
+            * scale
+            for n in probe["tokens"][-2:]
+        ]
+        t = probe["seconds"][-2:]
+        factor = min(3.0, max(0.5, (t[1] - t[0]) / max(model[1] - model[0], 1e-12)))
+        ctx.memo[key] = factor, max(0.0, t[1] - factor * model[1])
+    return ctx.memo[key]
+
+
+def sp_step_seconds(ctx: PlanContext, c: Candidate) -> float | None:
+    """The SP path's fixed seconds per step beyond the model's own (``plan/sp_probe.py``: a tiny step of
+    the wrapped model minus the plain model's, among the node's ranks; it holds the step's all-reduces
+    and the attention calls at that size), less the per-call seconds ``sp_calibration`` already counts
+    per layer: the figure of the candidate's kind (the ring's when its own was not measured). None
+    without a measurement (then the step's all-reduces are counted from the latencies)."""
+    fixed, kind = ctx.profile.sp_step_s, _kind(c)
+    if not fixed or kind is None or ctx.cluster.name != "local":
+        return None
+    kind = kind if kind in fixed else "ring"
+    return max(0.0, fixed.get(kind, 0.0) - ctx.dims.layers * sp_calibration(ctx, kind)[1])
 
 
 def _attention_result(ctx: PlanContext, c: Candidate, forward_s: float) -> Result:
@@ -196,8 +262,12 @@ def _layer_seconds(
     savings = {k for k in MEMORY_SAVINGS["all"] if getattr(memory, k)}
     tokens = c.micro_batch * ctx.seq_len / c.size
     layer, head = _linear_s(ctx, tokens)
-    forward_s = _attention_forward_s(ctx, c, _work(ctx, c, row))
-    res = _attention_result(ctx, c, forward_s)
+    degree = row_degree(ctx, row, c.size) if c.dynamic and row is not None else c.size
+    if degree < c.size:
+        forward_s, res = _grouped_attention(ctx, c, row, degree)
+    else:
+        forward_s = _attention_forward_s(ctx, c, _work(ctx, c, row))
+        res = _attention_result(ctx, c, forward_s)
     attn_compute = forward_s * (1 + ctx.profile.attention_backward)
     attn_total = res.ms / 1e3
     parts = {"linear": layer, "attention compute": attn_compute, "communication": attn_total - attn_compute}
@@ -208,6 +278,7 @@ def _layer_seconds(
         parts["recompute"] = parts.get("recompute", 0.0) + layer / 3 * share
     out = {k: v * ctx.dims.layers for k, v in parts.items()}
     out["LM head and loss"] = head
+    out[f"_degree {degree}"] = 1.0
     out["_inter_bytes"] = (
         res.inter_mb * 1e6 * ctx.dims.layers * (2 if "activation_checkpointing" in savings else 1)
     )
@@ -215,6 +286,48 @@ def _layer_seconds(
         res.intra_mb * 1e6 * ctx.dims.layers * (2 if "activation_checkpointing" in savings else 1)
     )
     return out
+
+
+def row_degree(ctx: PlanContext, row: Sequence[int], size: int) -> int:
+    """The SP degree ``dynamic_degree`` runs a packed row at: ``dynamic_placement``'s (docs/balance.md
+    "A dynamic SP degree"), ``size`` when the row needs the whole group (memoised per row)."""
+    key = ("degree", tuple(row), ctx.seq_len, size)
+    if key not in ctx.memo:
+        plan = dynamic_placement(row, ctx.seq_len, size)
+        ctx.memo[key] = (size, None) if plan is None else (plan.degree, max(plan.work))
+    return ctx.memo[key][0]
+
+
+def _grouped_attention(
+    ctx: PlanContext, c: Candidate, row: Sequence[int], degree: int
+) -> tuple[float, Result]:
+    """One layer of a row that ``dynamic_degree`` runs in groups of p = ``degree`` < P ranks, all H heads
+    on every rank (docs/balance.md's table): the forward compute is the plan's largest per-rank work
+    (visible pairs, at the causal rate, B rows); p = 1 sends nothing, p > 1 is a ring of the group's p
+    consecutive ranks (2(p − 1)·B·n·H_kv·D elements forward) at the ring engine's calibration."""
+    dims, b = ctx.dims, c.micro_batch
+    worst = ctx.memo[("degree", tuple(row), ctx.seq_len, c.size)][1]
+    work = AttentionWork(0.0, 2 * worst * b, 2 * degree * b, worst * b)
+    seconds = _block_seconds(ctx.profile, work, dims.heads, dims.head_dim) * ctx.compute_scale
+    if degree == 1:
+        fwd_ms = 1e3 * seconds
+        bwd_ms = fwd_ms * ctx.profile.attention_backward
+        return seconds, Result("none", "p = 1", fwd_ms, bwd_ms, 0.0, 0.0, {})
+    factor, call_s = sp_calibration(ctx, "ring")
+    forward_s = factor * seconds + call_s / (1 + ctx.profile.attention_backward)
+    key = ("grouped", degree, b, forward_s)
+    if key not in ctx.memo:
+        n = ctx.seq_len // c.size
+        st = AttentionSetting(ctx.cluster, _Heads(dims), n * degree, degree, b, ctx.element_bytes,
+                              forward_s, ctx.profile.attention_backward)  # fmt: skip
+        shape = st.shape(n, dims.heads, dims.kv_heads)
+        ring = Ring.on(ctx.cluster, degree, stride=1)
+
+        def evaluate(q: int) -> tuple[dict, dict]:
+            return ring_family(st, ring, shape, q, schedule="p2p", inner=None)
+
+        ctx.memo[key] = slowest("p2p", f"ring of {degree}", ring, evaluate, traffic_of(ring, shape, "p2p"))
+    return forward_s, ctx.memo[key]
 
 
 def _extra_memory(ctx: PlanContext, c: Candidate) -> int:
@@ -236,8 +349,12 @@ def predict(ctx: PlanContext, c: Candidate, settings: Any, budget: float) -> Pre
     ``budget`` in bytes per rank."""
     rows: list[Sequence[int] | None] = list(ctx.rows) or [None]
     per_row = [_layer_seconds(ctx, c, settings.memory, row) for row in rows]
-    parts = {k: sum(p[k] for p in per_row) / len(per_row) for k in per_row[0]}
+    keys = {k for p in per_row for k in p}
+    parts = {k: sum(p.get(k, 0.0) for p in per_row) / len(per_row) for k in sorted(keys)}
     inter, intra = parts.pop("_inter_bytes"), parts.pop("_intra_bytes")
+    degrees = {
+        int(k.split()[1]): round(parts.pop(k) * len(per_row)) for k in sorted(keys) if k.startswith("_degree")
+    }
     est = memory_estimate(ctx.model_config, ctx.seq_len, settings, world_size=ctx.world,
                           zero_stage=ctx.zero_stage, micro_batch=c.micro_batch,
                           bytes_per_element=ctx.element_bytes)  # fmt: skip
@@ -245,14 +362,17 @@ def predict(ctx: PlanContext, c: Candidate, settings: Any, budget: float) -> Pre
     parts["ZeRO-3 traffic (overlapped)"] = _zero_seconds(ctx, n_params // ctx.element_bytes)
     # a step's fixed seconds outside the layers, and its all-reduces (loss totals, gradients)
     parts["step overhead"] = ctx.profile.step_call_s * ctx.compute_scale
-    parts["step overhead"] += (
-        STEP_ALLREDUCES * ctx.profile.allreduce_s if c.size * c.data_parallel > 1 else 0.0
-    )
+    sp_fixed = sp_step_seconds(ctx, c)
+    if sp_fixed is not None:  # measured: the SP path's per-step cost, its all-reduces included
+        parts["SP path per step"] = sp_fixed
+    elif c.size * c.data_parallel > 1:
+        parts["step overhead"] += STEP_ALLREDUCES * ctx.profile.allreduce_s
     core = sum(v for k, v in parts.items() if not k.startswith("ZeRO"))
     step = max(core, parts["ZeRO-3 traffic (overlapped)"])
     peak = est.device_peak + _extra_memory(ctx, c)
     pred = Prediction(c, step, peak, est.step_bytes() + _extra_memory(ctx, c), {"inter": inter, "intra": intra},
                       parts, fits=peak <= budget)  # fmt: skip
+    pred.degrees = dict(sorted(degrees.items()))
     pred.reasons = reasons(pred, budget)
     return pred
 
@@ -277,6 +397,8 @@ def reasons(pred: Prediction, budget: float) -> str:
         out.append("attention dominates")
     if recompute > BOUND_SHARE * step:
         out.append(f"memory savings cost {recompute / step:.0%} in recompute")
+    if pred.candidate.dynamic:
+        out.append(pred.policy_note)
     use = pred.peak_bytes / budget
     out.append(f"memory {use:.0%} of budget" + (" (does not fit)" if use > 1 else ""))
     return "; ".join(out)

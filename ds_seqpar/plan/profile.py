@@ -12,23 +12,31 @@ counts (seconds per token and per call). It takes a few seconds and is cached as
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from ds_seqpar.plan.clusters import GB, PRESET_COMPUTE, US, Cluster
 from ds_seqpar.plan.compute import ModelDims
 
-__all__ = ["ComputeProfile", "local_cluster", "local_profile", "preset_profile", "profile_key"]
+__all__ = [
+    "ComputeProfile",
+    "local_cluster",
+    "local_profile",
+    "preset_profile",
+    "profile_key",
+    "sp_profile_key",
+]
 
 CACHE = Path("~/.cache/ds_seqpar")
 LOCAL_LINK_BW = 2 * GB  # gloo over loopback TCP: an assumption (its bytes are small next to CPU compute)
 LOCAL_LATENCY = 50 * US
-PROFILE_VERSION = 3
+PROFILE_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -43,7 +51,9 @@ class ComputeProfile:
     ``step_call_s``: a step's fixed seconds outside the layers (embedding, loss, optimizer, Python).
     ``round_s`` / ``allreduce_s``: one message round / one small all-reduce among the ranks of a node
     (None: the cluster's latency). ``host_bw``: host <-> device copies (offload); ``memory_bytes``: one rank's memory; ``source``: where
-    the numbers come from."""
+    the numbers come from. ``causal_costs``: the causal cost by block side (``causal_cost_at``);
+    ``sp_step_s``: the SP path's fixed seconds per step by kind (``ring``, ``ulysses``) and
+    ``attention_probes``: ``ds_seqpar.attention`` of each kind timed at two sizes (``plan/sp_probe.py``), both among the node's ranks."""
 
     source: str
     attention_flops: float
@@ -61,6 +71,29 @@ class ComputeProfile:
     round_s: float | None = None
     allreduce_s: float = 0.0
     threads: int = 1
+    causal_costs: dict | None = field(default=None, compare=False, hash=False)
+    sp_step_s: dict | None = field(default=None, compare=False, hash=False)
+    attention_probes: dict | None = field(default=None, compare=False, hash=False)
+
+    def causal_cost_at(self, side: float) -> float:
+        """A causal block's cost over a full one's at ``side`` tokens a side: the measured sides
+        interpolated in log2(side), the end slopes extended, kept within [0.5, 1] (``causal_cost`` when
+        not measured or ``side`` unknown)."""
+        if not self.causal_costs or side <= 0:
+            return self.causal_cost
+        pts = sorted((math.log2(float(k)), v) for k, v in self.causal_costs.items())
+        x = math.log2(side)
+        if len(pts) == 1:
+            return pts[0][1]
+        i = (
+            1
+            if x <= pts[0][0]
+            else len(pts) - 1
+            if x >= pts[-1][0]
+            else next(j for j in range(1, len(pts)) if x <= pts[j][0])
+        )
+        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+        return min(1.0, max(0.5, y0 + (y1 - y0) * (x - x0) / (x1 - x0)))
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,6 +128,11 @@ def profile_key(dims: ModelDims, dtype: str, device: str) -> str:
     return f"v{PROFILE_VERSION}-{platform.node()}-{device}-{dtype}-torch{torch.__version__}-{widths}"
 
 
+def sp_profile_key(dims: ModelDims, dtype: str, device: str, ranks: int) -> str:
+    """The cache key of the SP-path probe of ``ranks`` processes (``plan/sp_probe.py``)."""
+    return f"sp2-{profile_key(dims, dtype, device)}-{ranks}"
+
+
 def local_profile(
     dims: ModelDims,
     dtype: str = "fp32",
@@ -115,6 +153,7 @@ def local_profile(
 
     file = Path(path or CACHE / "profile.json").expanduser()
     key, lat_key = profile_key(dims, dtype, device), f"latency-{platform.node()}-{ranks}"
+    sp_key = sp_profile_key(dims, dtype, device, ranks)
     with _locked(file):
         cache = _read(file)
         if key not in cache or refresh:
@@ -123,9 +162,20 @@ def local_profile(
             ).to_json()
         if ranks > 1 and (lat_key not in cache or refresh) and not _in_distributed_job():
             cache[lat_key] = measure.latencies(ranks)
+        if (
+            ranks > 1
+            and device == "cpu"
+            and model_config is not None
+            and (sp_key not in cache or refresh)
+            and not _in_distributed_job()
+        ):
+            cache[sp_key] = measure.sp_costs(ranks, model_config, dims, dtype)
         _write(file, cache)
     latency = cache.get(lat_key, {}) if ranks > 1 else {"round_s": 0.0, "allreduce_s": 0.0}
-    return replace(ComputeProfile(**cache[key]), **latency)
+    sp = cache.get(sp_key, {}) if ranks > 1 else {}
+    known = {f.name for f in fields(ComputeProfile)}
+    stored = {k: v for k, v in cache[key].items() if k in known and k not in sp}
+    return replace(ComputeProfile(**stored), **latency, **sp)
 
 
 def _in_distributed_job() -> bool:
