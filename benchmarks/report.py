@@ -323,6 +323,22 @@ Two commits against each other (clones of both, this checkout's `.venv`):
 `benchmarks.bench_schedules` and `benchmarks.bench_usp` on both, alternating the order every round, and writes
 `benchmarks/results/ab_<old>_<new>.md`; `.venv/bin/python -m benchmarks.peer_bytes OUT.json --compare OLD.json`
 checks that every byte each rank sends to each peer, for every ring schedule at P = 8, is unchanged.
+`OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node 4 -m benchmarks.op_trace OUT.json --compare OLD.json`
+checks that one USP forward + backward calls the same aten ops, in the same order, on tensors of the same
+shapes, strides and dtypes, for every U x R of 4 ranks (H_kv = 8 and 2); with `--nproc_per_node 8` and
+`--schedules`, for every ring schedule of `benchmarks.bench_schedules` instead.
+
+On this shared 2-core machine one benchmark's time drifts by 10–30 % within half an hour, more than
+any code change of a few per cent, so a commit that only moves code is judged by the two exact checks
+first. For the redesign (92352a5 → 2d0fec5, which split the ring engine and moved every schedule,
+layout and kernel to one home) both agree: all 21 × 8 byte rows of `benchmarks.peer_bytes` are
+identical ([new](../benchmarks/results/peer_bytes_p8.json), [old](../benchmarks/results/peer_bytes_p8_92352a5.json)),
+and so are all 24 USP op traces ([new](../benchmarks/results/op_trace_p4.json),
+[old](../benchmarks/results/op_trace_p4_92352a5.json)) and all 128 schedule op traces (8 variants × 2 H_kv × 8
+ranks; [new](../benchmarks/results/op_trace_schedules_p8.json), [old](../benchmarks/results/op_trace_schedules_p8_92352a5.json)). Timed, `ab_commits --bench usp --rounds 4`
+gave ratios of 0.98, 1.16 and 1.07 (geometric mean 1.07) while the old commit's own time for one row
+went from 8.9 s to 10.8 s over the rounds ([table](../benchmarks/results/ab_92352a5_2d0fec5.md)): the
+pairs straddle 1 in every row, and the op traces say the kernels are the same.
 
 ds_seqpar's rows: `auto` is the default (`ulysses_degree: "auto"`, `ulysses_chunks: "auto"`: with R = 1 the
 head exchange is pipelined against the attention in up to 4 head groups, [attention.md](attention.md#pipelined-ulysses));
