@@ -138,3 +138,14 @@ def slowest_rank_times(step: Callable[[], None], reps: int, warmup: int = 1) -> 
         if rep >= warmup:
             times.append(elapsed.item())
     return times
+
+
+def round_robin_times(steps: list[Callable[[], None]], reps: int) -> list[list[float]]:
+    """Per step, the slowest rank's time of each of ``reps`` repetitions, the steps timed in turn and each
+    round starting one step later (so no step always runs first after another's)."""
+    times: list[list[float]] = [[] for _ in steps]
+    for rep in range(reps):
+        for j in range(len(steps)):
+            i = (j + rep) % len(steps)
+            times[i] += slowest_rank_times(steps[i], reps=1, warmup=0)
+    return times

@@ -102,11 +102,7 @@ def _worker(seq_lens: list[int], reps: int, out: str) -> None:
 
             step()  # warm-up
             steps.append(step)
-        times: list[list[float]] = [[] for _ in steps]
-        for rep in range(reps):
-            for j in range(len(steps)):
-                i = (j + rep) % len(steps)
-                times[i] += measure.slowest_rank_times(steps[i], reps=1, warmup=0)
+        times = measure.round_robin_times(steps, reps)
         for i, step in enumerate(steps):
             with measure.PeakMemory() as mem:
                 step()

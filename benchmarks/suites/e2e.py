@@ -219,11 +219,7 @@ def run_e2e(systems: list, seq_lens: list[int], reps: int) -> list[list[dict]]:
                 system.step(ids)
 
             steps.append(step)
-        times: list[list[float]] = [[] for _ in systems]
-        for rep in range(reps):
-            for j in range(len(steps)):
-                i = (j + rep) % len(steps)
-                times[i] += measure.slowest_rank_times(steps[i], reps=1, warmup=0)
+        times = measure.round_robin_times(steps, reps)
         for i, step in enumerate(steps):
             with measure.PeakMemory() as mem:
                 step()
