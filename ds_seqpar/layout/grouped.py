@@ -24,10 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ds_seqpar.layout.base import Layout, LayoutError
+from ds_seqpar.layout.base import LayoutError
 from ds_seqpar.layout.documents import document_lengths
 from ds_seqpar.layout.placement import (
     PLACEMENT_TOLERANCE,
+    PlacedRow,
     Placement,
     Run,
     check_lengths,
@@ -41,7 +42,7 @@ __all__ = ["GroupedPlacement", "dynamic_placement", "grouped_for_batch", "place_
 
 
 @dataclass(frozen=True)
-class GroupedPlacement(Layout):
+class GroupedPlacement(PlacedRow):
     """A row placed on ``P = len(rows) · p`` ranks in groups of p: group g holds the global positions
     ``rows[g]`` (its sub-row, runs in increasing order), placed on its ranks by ``parts[g]`` (a
     ``Placement`` over p ranks in sub-row coordinates). SP rank r = g·p + c holds ``parts[g]``'s rank c."""
@@ -51,6 +52,7 @@ class GroupedPlacement(Layout):
     seq_len: int
 
     name = "documents"
+    replan = "ds_seqpar.layout.dynamic_placement"
 
     def __post_init__(self) -> None:
         sizes = {sum(b - a for a, b in row) for row in self.rows}
@@ -83,20 +85,9 @@ class GroupedPlacement(Layout):
         return len(self.rows) * self.degree
 
     @property
-    def multiple(self) -> int:
-        return self.seq_len
-
-    @property
     def work(self) -> tuple[float, ...]:
         """Each SP rank's planned attention work, in rank order."""
         return tuple(w for part in self.parts for w in part.work)
-
-    @property
-    def balance(self) -> float:
-        """max / mean of the planned work over all P ranks (1.0 = perfect, or no work at all)."""
-        work = self.work
-        mean = sum(work) / len(work)
-        return max(work) / mean if mean > 0 else 1.0
 
     @property
     def needs_exchange(self) -> bool:
@@ -104,13 +95,6 @@ class GroupedPlacement(Layout):
 
     def described(self) -> str:
         return f"a document placement of {self.seq_len} tokens over {len(self.rows)} groups of {self.degree} ranks"
-
-    def check_length(self, seq_len: int) -> None:
-        if seq_len != self.seq_len:
-            raise LayoutError(
-                f"sequence length {seq_len} does not match this document placement of {self.seq_len} tokens; "
-                "place each row's documents again (ds_seqpar.layout.dynamic_placement)"
-            )
 
     def group_positions(self, group: int) -> torch.Tensor:
         """Global positions of group ``group``'s sub-row, in sub-row order: int64 ``[p · n]``."""
@@ -122,14 +106,6 @@ class GroupedPlacement(Layout):
         group, member = divmod(rank, self.degree)
         part = self.parts[group]
         return self.group_positions(group)[part.local_positions(part.seq_len, member)]
-
-    def segments(self, seq_len: int) -> list[tuple[int, int]]:
-        """One segment, the whole shard (the engine cuts at document ends)."""
-        return [(0, seq_len // self.world)]
-
-    def scan_chain(self) -> tuple[int, ...] | None:
-        """None: the runs differ per batch, so recurrent scans have no fixed order of ranks."""
-        return None
 
     def group_doc_ids(self, doc_ids: torch.Tensor, group: int) -> torch.Tensor:
         """Group ``group``'s document ids in sub-row order (``[p·n]`` / ``[B, p·n]``), once per tensor."""

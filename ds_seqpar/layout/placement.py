@@ -39,6 +39,7 @@ from ds_seqpar.layout.ring import ZigzagLayout, register_layout
 __all__ = [
     "PLACEMENT_TOLERANCE",
     "DocumentsLayout",
+    "PlacedRow",
     "Placement",
     "Run",
     "check_lengths",
@@ -102,8 +103,44 @@ def layout_work(
     return [float(work[layout.local_positions(seq_len, r)].sum()) for r in range(layout.world)]
 
 
+class PlacedRow(Layout):
+    """What every per-batch placement of one row shares: it holds exactly ``seq_len`` tokens, each rank's
+    shard is one segment (its runs differ per rank; the engine cuts at document ends), no recurrent scan
+    order, and its balance is max / mean of its planned ``work`` per rank."""
+
+    seq_len: int
+    work: tuple[float, ...]
+    replan: ClassVar[str] = "ds_seqpar.layout.place_documents"  # what the length error says to call again
+
+    @property
+    def multiple(self) -> int:
+        return self.seq_len
+
+    def check_length(self, seq_len: int) -> None:
+        if seq_len != self.seq_len:
+            raise LayoutError(
+                f"sequence length {seq_len} does not match this document placement of {self.seq_len} tokens; "
+                f"place each row's documents again ({self.replan})"
+            )
+
+    def segments(self, seq_len: int) -> list[tuple[int, int]]:
+        """One segment, the whole shard."""
+        return [(0, seq_len // self.world)]
+
+    def scan_chain(self) -> tuple[int, ...] | None:
+        """None: the runs differ per batch, so recurrent scans have no fixed order of ranks."""
+        return None
+
+    @property
+    def balance(self) -> float:
+        """max / mean of the planned work (1.0 = perfect; 1.0 when there is no work at all)."""
+        work = self.work
+        mean = sum(work) / max(len(work), 1)
+        return max(work) / mean if mean > 0 else 1.0
+
+
 @dataclass(frozen=True)
-class Placement(Layout):
+class Placement(PlacedRow):
     """An explicit placement of a row's tokens on ``world`` ranks: rank r holds ``runs[r]`` (runs of
     consecutive global positions, in increasing order), every rank the same number of tokens.
 
@@ -135,32 +172,13 @@ class Placement(Layout):
     def world(self) -> int:  # type: ignore[override]
         return len(self.runs)
 
-    @property
-    def multiple(self) -> int:
-        return self.seq_len
-
     def described(self) -> str:
         return f"a document placement of {self.seq_len} tokens over {self.world} ranks"
-
-    def check_length(self, seq_len: int) -> None:
-        if seq_len != self.seq_len:
-            raise LayoutError(
-                f"sequence length {seq_len} does not match this document placement of {self.seq_len} tokens; "
-                "place each row's documents again (ds_seqpar.layout.place_documents)"
-            )
 
     def local_positions(self, seq_len: int, rank: int) -> torch.Tensor:
         self.check_length(seq_len)
         self.check_rank(rank)
         return torch.cat([torch.arange(a, b) for a, b in self.runs[rank]])
-
-    def segments(self, seq_len: int) -> list[tuple[int, int]]:
-        """One segment, the whole shard (its runs differ per rank; the engine cuts at document ends)."""
-        return [(0, seq_len // self.world)]
-
-    def scan_chain(self) -> tuple[int, ...] | None:
-        """None: the runs differ per batch, so recurrent scans have no fixed order of ranks."""
-        return None
 
     @property
     def needs_exchange(self) -> bool:
@@ -176,12 +194,6 @@ class Placement(Layout):
         local = self.shard(doc_ids, rank, dim=-1)
         remember(key, doc_ids, local)
         return local
-
-    @property
-    def balance(self) -> float:
-        """max / mean of the planned work (1.0 = perfect; 1.0 when there is no work at all)."""
-        mean = sum(self.work) / max(len(self.work), 1)
-        return max(self.work) / mean if mean > 0 else 1.0
 
 
 def place_documents(
