@@ -33,9 +33,8 @@ from ds_seqpar.layout.placement import (
     Run,
     check_lengths,
     document_work,
+    per_batch,
     place_documents,
-    remember,
-    remembered,
 )
 
 __all__ = ["GroupedPlacement", "dynamic_placement", "grouped_for_batch", "place_in_groups"]
@@ -110,12 +109,8 @@ class GroupedPlacement(PlacedRow):
     def group_doc_ids(self, doc_ids: torch.Tensor, group: int) -> torch.Tensor:
         """Group ``group``'s document ids in sub-row order (``[p·n]`` / ``[B, p·n]``), once per tensor."""
         key = ("group", id(doc_ids), doc_ids._version, group, self)
-        found = remembered(key, doc_ids)
-        if found is not None:
-            return found
-        ids = doc_ids.index_select(-1, self.group_positions(group).to(doc_ids.device))
-        remember(key, doc_ids, ids)
-        return ids
+        positions = self.group_positions
+        return per_batch(key, doc_ids, lambda: doc_ids.index_select(-1, positions(group).to(doc_ids.device)))
 
 
 def place_in_groups(
@@ -184,9 +179,6 @@ def grouped_for_batch(doc_ids: torch.Tensor, world: int) -> GroupedPlacement | N
     """``dynamic_placement`` of ``doc_ids``'s documents (``[S]`` / ``[B, S]``, rows alike) over ``world``
     SP ranks, once per tensor; None when the batch needs all of them."""
     key = ("grouped", id(doc_ids), doc_ids._version, world)
-    found = remembered(key, doc_ids)
-    if found is not None:
-        return found or None
-    plan = dynamic_placement(document_lengths(doc_ids), doc_ids.shape[-1], world)
-    remember(key, doc_ids, plan if plan is not None else False)
-    return plan
+    return per_batch(
+        key, doc_ids, lambda: dynamic_placement(document_lengths(doc_ids), doc_ids.shape[-1], world)
+    )

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -188,12 +188,7 @@ class Placement(PlacedRow):
         """``rank``'s document ids (``[n]`` / ``[B, n]``) of the global ``doc_ids``, once per tensor (every
         layer of a step asks with the same one; a new tensor each call would rebuild the ring plan)."""
         key = ("local", id(doc_ids), doc_ids._version, rank, self)
-        found = remembered(key, doc_ids)
-        if found is not None:
-            return found
-        local = self.shard(doc_ids, rank, dim=-1)
-        remember(key, doc_ids, local)
-        return local
+        return per_batch(key, doc_ids, lambda: self.shard(doc_ids, rank, dim=-1))
 
 
 def place_documents(
@@ -306,21 +301,18 @@ PLACEMENTS: OrderedDict[tuple, tuple[torch.Tensor, object]] = OrderedDict()
 PLACEMENT_CACHE_SIZE = 16  # placements and local document ids kept (every layer of a step asks alike)
 
 
-def remembered(key: tuple, doc_ids: torch.Tensor) -> Any:
-    """What ``remember`` kept for ``doc_ids`` under ``key`` (the same tensor, not one that reuses its id),
-    or None."""
+def per_batch(key: tuple, doc_ids: torch.Tensor, build: Callable[[], Any]) -> Any:
+    """``build()``'s value for ``doc_ids`` under ``key``, built once per tensor (every layer of a step asks
+    with the same one). An entry holds its tensor, so the tensor's id cannot be reused while it lives."""
     entry = PLACEMENTS.get(key)
-    if entry is None or entry[0] is not doc_ids:
-        return None
-    PLACEMENTS.move_to_end(key)
-    return entry[1]
-
-
-def remember(key: tuple, doc_ids: torch.Tensor, value: object) -> None:
-    """Keep ``value`` for ``doc_ids`` (the entry holds the tensor, so its id is not reused meanwhile)."""
+    if entry is not None and entry[0] is doc_ids:
+        PLACEMENTS.move_to_end(key)
+        return entry[1]
+    value = build()
     PLACEMENTS[key] = (doc_ids, value)
     while len(PLACEMENTS) > PLACEMENT_CACHE_SIZE:
         PLACEMENTS.popitem(last=False)
+    return value
 
 
 @register_layout
@@ -339,12 +331,9 @@ class DocumentsLayout(ZigzagLayout):
     def for_batch(self, doc_ids: torch.Tensor) -> Layout:
         """The placement of ``doc_ids``'s documents (``[S]`` / ``[B, S]``, rows alike), once per tensor."""
         key = (id(doc_ids), doc_ids._version, self.world)
-        found = remembered(key, doc_ids)
-        if found is not None:
-            return found
-        plan = place_documents(document_lengths(doc_ids), doc_ids.shape[-1], self.world)
-        remember(key, doc_ids, plan)
-        return plan
+        return per_batch(
+            key, doc_ids, lambda: place_documents(document_lengths(doc_ids), doc_ids.shape[-1], self.world)
+        )
 
     def scan_chain(self) -> tuple[int, ...] | None:
         """None: each batch has its own runs (recurrent scans need ``contiguous`` or ``zigzag``)."""
