@@ -17,7 +17,13 @@ from ds_seqpar.integrations.recurrent_layers import REGISTRY, adapter_for, route
 from tests.helpers.hf_ab import deepspeed_ab, sp_vs_reference
 from tests.helpers.hf_models import HYBRID_MODELS, batches
 
-DEFAULT_ZERO3 = ("qwen3_next", "kimi_linear", "nemotron_h", "bamba")  # the others: slow suite
+DEFAULT_ZERO3 = (
+    "qwen3_next",
+    "kimi_linear",
+    "nemotron_h",
+    "bamba",
+    "recurrent_gemma",
+)  # the others: slow suite
 CASES = [
     ("qwen3_next", 2, "zigzag", 64),  # GDN, GVA (value heads > key heads)
     ("qwen3_5", 1, "contiguous", 62),
@@ -26,6 +32,7 @@ CASES = [
     ("bamba", 2, "contiguous", 64),
     ("granitemoehybrid", 2, "zigzag", 64),
     ("zamba2", 1, "zigzag", 64),  # its tiny Mamba layers have one head: U = 1
+    ("recurrent_gemma", 2, "zigzag", 62),  # RG-LRU (diagonal scan) + conv1d halo + sliding attention
 ]
 
 
@@ -39,10 +46,14 @@ def test_forward_backward_equals_plain_model(dist_pool, kind, u, layout, seq_len
 
 
 @pytest.mark.parametrize(
-    "kind", [k if k in DEFAULT_ZERO3 else pytest.param(k, marks=pytest.mark.slow) for k in HYBRID_MODELS]
+    ("kind", "u"),
+    [
+        (k, u) if k in DEFAULT_ZERO3 else pytest.param(k, u, marks=pytest.mark.slow)
+        for k in HYBRID_MODELS
+        for u in ((1, 2) if k == "recurrent_gemma" else (1,) if k == "zamba2" else (2,))
+    ],  # zamba2's tiny Mamba layers have one head; recurrent_gemma at U2 x R2 and R4
 )
-def test_zero3_training_matches_plain_model(dist_pool, kind):
-    u = 1 if kind == "zamba2" else 2  # zamba2's tiny Mamba layers have one head
+def test_zero3_training_matches_plain_model(dist_pool, kind, u):
     for rep in dist_pool(4).run(deepspeed_ab, kind, 4, u, 3, 5, 64, 0.5):
         assert max(rep["loss_errs"]) <= 1e-5, rep
         assert rep["grad_err"] <= 1e-5, rep

@@ -190,3 +190,48 @@ def test_unsupported_recurrent_layers_are_named():
     with pytest.raises(TypeError, match=r"Sequential\.1 is a TinyGatedDeltaNet"):
         route_recurrent_layers(model)
     assert route_recurrent_layers(torch.nn.Sequential(torch.nn.Linear(2, 2))) == 0
+
+
+def run_diagonal_cases(cases: list[tuple[ScanCase, bool]]) -> list[dict]:
+    """The diagonal recurrence (RG-LRU, RWKV's WKV) and the token shift on this rank's shard vs the whole
+    sequence in one process: max errors of out, dx, da and of the shift and its gradient."""
+    from ds_seqpar.ops.linear.diagonal import diagonal_reference
+    from ds_seqpar.parallel.diagonal_scan import diagonal_recurrence, token_shift
+
+    world, results = dist.get_world_size(), []
+    for case, exclusive in cases:
+        mesh = mesh_for(case.section(world))
+        layout, me = input_layout(mesh), mesh.coords.sp_rank
+        g = torch.Generator().manual_seed(case.seed)
+        x, dout = (torch.randn(B, case.seq_len, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        a = torch.rand(B, case.seq_len, 8, generator=g, dtype=torch.float64)
+        a[:, ::5] = 0.0  # resets, some on piece boundaries
+        whole = [t.clone().requires_grad_() for t in (x, a)]
+        diagonal_reference(*whole, exclusive).backward(dout)
+        mine = [layout.shard(t, me).clone().requires_grad_() for t in (x, a)]
+        out = diagonal_recurrence(*mine, mesh=mesh, exclusive=exclusive)
+        out.backward(layout.shard(dout, me))
+        errors = {"out": (out - layout.shard(diagonal_reference(x, a, exclusive), me)).abs().max().item()}
+        errors |= {f"d{n}": (m.grad - layout.shard(w.grad, me)).abs().max().item()
+                   for n, m, w in zip("xa", mine, whole, strict=True)}  # fmt: skip
+        shifted_in = layout.shard(x, me).clone().requires_grad_()
+        shifted = token_shift(shifted_in, mesh=mesh)
+        shifted.backward(layout.shard(dout, me))
+        full_shift = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+        full_grad = torch.cat([dout[:, 1:], torch.zeros_like(dout[:, :1])], dim=1)
+        errors["shift"] = (shifted - layout.shard(full_shift, me)).abs().max().item()
+        errors["dshift"] = (shifted_in.grad - layout.shard(full_grad, me)).abs().max().item()
+        results.append(errors)
+    return results
+
+
+def test_diagonal_recurrence_and_token_shift_match_the_whole_sequence(dist_pool):
+    cases = [
+        (ScanCase(u=u, layout=layout, mode=mode, seq_len=48, seed=i), exclusive)
+        for i, (u, layout, mode, exclusive) in enumerate(
+            itertools.product((1, 2), ("contiguous", "zigzag"), ("all_scan", "all_gather"), (False, True))
+        )
+    ]
+    for per_rank in dist_pool(4).run(run_diagonal_cases, cases):
+        for (case, exclusive), errors in zip(cases, per_rank, strict=True):
+            assert_within(errors, 1e-10, f"{case} exclusive={exclusive}")
