@@ -33,6 +33,7 @@ CASES = [
     ("granitemoehybrid", 2, "zigzag", 64),
     ("zamba2", 1, "zigzag", 64),  # its tiny Mamba layers have one head: U = 1
     ("recurrent_gemma", 2, "zigzag", 62),  # RG-LRU (diagonal scan) + conv1d halo + sliding attention
+    ("rwkv", 2, "contiguous", 64),  # token shifts (one halo row) + WKV (exclusive diagonal scan)
 ]
 
 
@@ -50,6 +51,8 @@ def test_forward_backward_equals_plain_model(dist_pool, kind, u, layout, seq_len
     [
         (k, u) if k in DEFAULT_ZERO3 else pytest.param(k, u, marks=pytest.mark.slow)
         for k in HYBRID_MODELS
+        if k
+        != "rwkv"  # no num_attention_heads in its config: ds_seqpar.initialize refuses (settings.head_counts)
         for u in ((1, 2) if k == "recurrent_gemma" else (1,) if k == "zamba2" else (2,))
     ],  # zamba2's tiny Mamba layers have one head; recurrent_gemma at U2 x R2 and R4
 )
@@ -100,3 +103,26 @@ def test_the_registration_snippet_of_the_docs_runs():
         assert adapter_for(scope["MyRecurrence"]()) is scope["my_forward"]
     finally:
         del REGISTRY[scope["MyRecurrence"]]
+
+
+def rwkv_with_extreme_keys() -> str:
+    """A tiny RWKV whose time_first puts a token's bonus weight below float64's range after the WKV's shift."""
+    from ds_seqpar import SeqParCausalLM, shard_batch
+    from tests.helpers.hf_ab import sp_mesh
+    from tests.helpers.hf_models import tiny_model
+
+    model = tiny_model("rwkv")
+    with torch.no_grad():
+        model.rwkv.blocks[1].attention.time_first.fill_(-1000.0)
+    mesh = sp_mesh(2)
+    sp = SeqParCausalLM(model, mesh)
+    try:
+        sp(**shard_batch(batches(1, 2, 64)[0], mesh))
+    except UnsupportedModelError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_rwkv_refuses_keys_beyond_the_wkv_range_on_every_rank(dist_pool):
+    for message in dist_pool(4).run(rwkv_with_extreme_keys):
+        assert "RwkvSelfAttention (layer 1): its keys span" in message, message

@@ -6,6 +6,10 @@ what spans the sequence goes to ``parallel/diagonal_scan.py`` (docs/delta.md "Di
     RecurrentGemmaRecurrentBlock   the causal conv1d gets its K - 1 halo rows (``sharded_causal_conv1d``)
     RecurrentGemmaRglru            h_t = a_t ⊙ h_{t-1} + sqrt(1 - a_t²) ⊙ (i_t ⊙ x_t), a_t = 0 and the
                                    multiplier 1 where position_ids == 0 (HF's reset): ``diagonal_recurrence``
+    RwkvSelfAttention              token shift (one halo row) + RWKV-4's WKV: ``wkv`` (numerator and
+                                   denominator as one exclusive diagonal recurrence, exponents shifted by
+                                   the sequence's max key: one all-reduce)
+    RwkvFeedForward                token shift (one halo row); the rest is per token
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ds_seqpar.integrations.hf_model import UnsupportedModelError
 from ds_seqpar.integrations.recurrent_adapters import _context
 from ds_seqpar.parallel.delta_scan import sharded_causal_conv1d
-from ds_seqpar.parallel.diagonal_scan import diagonal_recurrence
+from ds_seqpar.parallel.diagonal_scan import diagonal_recurrence, sequence_extremes, token_shift, wkv
 
 # -- RecurrentGemma (Griffin): the recurrent block and its RG-LRU ----------------------------------
 
@@ -68,9 +73,60 @@ def rglru_forward(
     return out.to(activations.dtype)
 
 
+# -- RWKV (v4): time mixing (WKV) and channel mixing, each after a token shift ------------------------
+
+# float64 exponents below this underflow: a key this far below the sequence's max would lose the token
+WKV_EXPONENT_FLOOR = -700.0
+
+
+def _mix(hidden: torch.Tensor, shifted: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+    """RWKV's time mix ``hidden · ratio + shifted · (1 - ratio)``, ``[B, n, E]``."""
+    return hidden * ratio + shifted * (1 - ratio)
+
+
+def rwkv_attention_forward(
+    self: torch.nn.Module, hidden: torch.Tensor, state: Any = None, use_cache: bool = False
+) -> tuple[torch.Tensor, None]:
+    """``RwkvSelfAttention.forward`` without a state: key / value / receptance from the token-shifted mix,
+    the WKV over the whole sequence, ``output(sigmoid(r) · wkv)``. ``[B, n, E]`` -> ``[B, n, E]``.
+    Refused (identically on every rank, after the all-reduce of the key range) when a key lies more than
+    700 nats below the sequence's max key plus time_first: float64 could not represent its weight."""
+    ctx = _context(self, {"use_cache": use_cache}, state)
+    shifted = token_shift(hidden, mesh=ctx.mesh)
+    key = self.key(_mix(hidden, shifted, self.time_mix_key))
+    value = self.value(_mix(hidden, shifted, self.time_mix_value))
+    receptance = torch.sigmoid(self.receptance(_mix(hidden, shifted, self.time_mix_receptance)))
+    top, low = sequence_extremes(key.float(), mesh=ctx.mesh)
+    floor = (low - top + self.time_first.detach().double().clamp(max=0)).min().item()
+    if floor < WKV_EXPONENT_FLOOR:
+        raise UnsupportedModelError(
+            f"{type(self).__name__} (layer {self.layer_id}): its keys span {-floor:.0f} nats over the sequence; "
+            f"ds_seqpar's WKV shifts every exponent by the sequence's max key and computes in float64, which "
+            f"holds {-WKV_EXPONENT_FLOOR:.0f}: this batch cannot run under ds_seqpar"
+        )
+    out = wkv(self.time_decay, self.time_first, key.float(), value, shift=top, mesh=ctx.mesh)
+    ctx.record(self)
+    return self.output(receptance * out.to(value.dtype)), None
+
+
+def rwkv_feed_forward_forward(
+    self: torch.nn.Module, hidden: torch.Tensor, state: Any = None
+) -> tuple[torch.Tensor, None]:
+    """``RwkvFeedForward.forward`` without a state: sigmoid(r) · value(relu(key(mix))²) with the token shift
+    from the previous rank. ``[B, n, E]`` -> ``[B, n, E]``."""
+    ctx = _context(self, {}, state)
+    shifted = token_shift(hidden, mesh=ctx.mesh)
+    key = torch.square(torch.relu(self.key(_mix(hidden, shifted, self.time_mix_key))))
+    receptance = torch.sigmoid(self.receptance(_mix(hidden, shifted, self.time_mix_receptance)))
+    return receptance * self.value(key), None
+
+
+_RWKV = "transformers.models.rwkv.modeling_rwkv"
 _GEMMA = "transformers.models.recurrent_gemma.modeling_recurrent_gemma"
 # (transformers module, class name) -> adapter forward: ``recurrent_layers.BUILTIN_ADAPTERS`` takes these
 ADAPTERS = {
     (_GEMMA, "RecurrentGemmaRecurrentBlock"): recurrent_gemma_block_forward,
     (_GEMMA, "RecurrentGemmaRglru"): rglru_forward,
+    (_RWKV, "RwkvSelfAttention"): rwkv_attention_forward,
+    (_RWKV, "RwkvFeedForward"): rwkv_feed_forward_forward,
 }

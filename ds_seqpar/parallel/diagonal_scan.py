@@ -11,7 +11,8 @@ Legend: P = U · R SP ranks, n = S / P tokens per rank, C channels, c_u = C / U 
 
 Communication per rank and layer: the Ulysses all-to-alls of x, a and out, plus ONE state ``[B, c_u]`` per
 ring hop and direction. Backward: autograd through the local pieces; the entering states' gradient is
-the reverse scan (``StateScan.backward``). ``token_shift``: x_{t-1} for every local token, the one-token
+the reverse scan (``StateScan.backward``). ``wkv``: RWKV-4's time mixing as ONE such recurrence of 2C
+channels (numerator and denominator), after ``sequence_extremes`` (one all-reduce of ``[B, 2C]``). ``token_shift``: x_{t-1} for every local token, the one-token
 halo from the rank holding the previous position (``comm/halo.py``; zeros before position 0).
 """
 
@@ -23,6 +24,7 @@ import torch
 
 from ds_seqpar.comm.all_to_all import HeadPlan, head_to_seq
 from ds_seqpar.comm.halo import halo_exchange
+from ds_seqpar.comm.reduce import GroupReducer
 from ds_seqpar.comm.scan import DiagonalMap
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.linear.diagonal import diagonal_local_scan
@@ -31,7 +33,7 @@ from ds_seqpar.parallel.delta_scan import conv_halo_plan
 from ds_seqpar.parallel.linear_scan import SAME_SCAN_SHARDS, ScanPlan, check_heads, scan_plan, to_heads
 from ds_seqpar.settings import input_layout
 
-__all__ = ["diagonal_recurrence", "token_shift"]
+__all__ = ["diagonal_recurrence", "sequence_extremes", "token_shift", "wkv"]
 
 
 class _Entering(torch.autograd.Function):
@@ -110,3 +112,41 @@ def token_shift(x: torch.Tensor, *, mesh: SeqParMesh) -> torch.Tensor:
     for j, (start, end) in enumerate(plan.runs):
         parts += [halo[:, j : j + 1], x[:, start : end - 1]]
     return torch.cat(parts, dim=1) if parts else x
+
+
+def sequence_extremes(x: torch.Tensor, *, mesh: SeqParMesh) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [B, n, C]`` -> the max and min over the whole sequence ``[B, C]`` each (float64, no gradient):
+    one all-reduce (max) of ``[B, 2C]`` over the SP group."""
+    x = x.detach().double()
+    both = torch.cat([x.amax(dim=1), -x.amin(dim=1)], dim=-1)
+    GroupReducer(mesh.group("sp"), mesh.members["sp"], mesh.comm_stats).max_(both)
+    top, low = both.chunk(2, dim=-1)
+    return top, -low
+
+
+def wkv(
+    time_decay: torch.Tensor,
+    time_first: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    shift: torch.Tensor,
+    mesh: SeqParMesh,
+) -> torch.Tensor:
+    """RWKV-4's WKV over the whole sequence: with w = -exp(time_decay), u = time_first ``[C]`` and
+    ``key, value [B, n, C]``,
+
+        out_t = (N_t + e^{u + k_t} v_t) / (D_t + e^{u + k_t}),   N_t = Σ_{s<t} e^{(t-1-s) w + k_s} v_s,
+        D_t = Σ_{s<t} e^{(t-1-s) w + k_s}
+
+    N and D are exclusive diagonal recurrences with decay e^w (one call, 2C channels), in float64 with
+    every exponent shifted by ``shift [B, C]`` (the sequence's max of k: the ratio does not change, so
+    no stabiliser has to travel). Returns ``[B, n, C]`` in key's dtype; differentiable in all four."""
+    decay = torch.exp(-torch.exp(time_decay.double()))
+    k = key.double() - shift[:, None]
+    weight = torch.exp(k)
+    x = torch.cat([weight * value.double(), weight], dim=-1)
+    states = diagonal_recurrence(x, decay.repeat(2).expand_as(x), mesh=mesh, exclusive=True)
+    num, den = states.chunk(2, dim=-1)
+    bonus = torch.exp(time_first.double() + k)
+    return ((num + bonus * value.double()) / (den + bonus)).to(key.dtype)

@@ -22,7 +22,8 @@ FEATURE_MODELS = {
 ENCODER_MODELS = ("modernbert", "bert")
 # hybrids whose recurrent layers ds_seqpar routes (GDN, KDA, Mamba2), built by benchmarks/tiny_configs.py
 HYBRID_MODELS = (
-    "qwen3_next", "qwen3_5", "kimi_linear", "nemotron_h", "bamba", "granitemoehybrid", "zamba2", "recurrent_gemma",
+    "qwen3_next", "qwen3_5", "kimi_linear", "nemotron_h", "bamba", "granitemoehybrid", "zamba2",
+    "recurrent_gemma", "rwkv",
 )  # fmt: skip
 MASK_ID = 4  # the tiny encoders' mask token
 
