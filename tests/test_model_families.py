@@ -36,6 +36,7 @@ EXPECTED = {
     "qwen3_next": "exact",  # gated DeltaNet layers (conv1d halo + matrix All-Scan), MoE
     "kimi_linear": "exact",  # Kimi Delta Attention: per-channel decay
     "nemotron_h": "exact",  # Mamba2 mixers, MLP-only layers
+    "xlstm": "exact",  # mLSTM blocks: the max-stabiliser chained exactly, C / n scanned
     "rwkv": "exact",  # RWKV-4: token shifts + WKV (numerator and denominator as one diagonal scan)
     "recurrent_gemma": "exact",  # RG-LRU (diagonal scan, reset at position 0) + conv1d halo, sliding attention
     "jamba": "refused",  # Mamba (v1) layers

@@ -10,6 +10,8 @@ what spans the sequence goes to ``parallel/diagonal_scan.py`` (docs/delta.md "Di
                                    denominator as one exclusive diagonal recurrence, exponents shifted by
                                    the sequence's max key: one all-reduce)
     RwkvFeedForward                token shift (one halo row); the rest is per token
+    xLSTMLayer                     the mLSTM (``parallel/mlstm_scan.mlstm_attention``: the max-stabiliser
+                                   and the C / n state scanned over the ring); gates, norms, output per token
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ds_seqpar.integrations.hf_model import UnsupportedModelError
 from ds_seqpar.integrations.recurrent_adapters import _context
 from ds_seqpar.parallel.delta_scan import sharded_causal_conv1d
 from ds_seqpar.parallel.diagonal_scan import diagonal_recurrence, sequence_extremes, token_shift, wkv
+from ds_seqpar.parallel.mlstm_scan import mlstm_attention
 
 # -- RecurrentGemma (Griffin): the recurrent block and its RG-LRU ----------------------------------
 
@@ -121,6 +124,43 @@ def rwkv_feed_forward_forward(
     return receptance * self.value(key), None
 
 
+# -- xLSTM (mLSTM blocks) -------------------------------------------------------------------------
+
+
+def _xlstm_inputs(self: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v, the output-gate and the soft-capped input / forget gate pre-activations of ``x [B, n, E]``."""
+    cfg, soft_cap = self.config, sys.modules[type(self).__module__].soft_cap
+    if cfg.weight_mode == "single":
+        q, k, v, o = self.q(x), self.k(x), self.v(x), self.ogate_preact(x)
+        i = soft_cap(self.igate_preact(x), cap_value=cfg.gate_soft_cap)
+        f = soft_cap(self.fgate_preact(x), cap_value=cfg.gate_soft_cap)
+        return q, k, v, o, i, f
+    q, k, v, o = torch.tensor_split(
+        self.qkv_opreact(x), (self.qk_dim, 2 * self.qk_dim, 2 * self.qk_dim + self.v_dim), dim=-1
+    )
+    i, f = torch.tensor_split(
+        soft_cap(self.ifgate_preact(x), cap_value=cfg.gate_soft_cap), (cfg.num_heads,), dim=-1
+    )
+    return q, k, v, o, i, f
+
+
+def xlstm_layer_forward(
+    self: torch.nn.Module, x: torch.Tensor, state: Any = None
+) -> tuple[torch.Tensor, None]:
+    """``xLSTMLayer.forward`` without a state: projections and soft-capped gates per token, the mLSTM over the
+    whole sequence (``mlstm_attention``), the multi-head norm, sigmoid output gate, out_proj. ``[B, n, E]``."""
+    ctx = _context(self, {}, state)
+    b, n, _ = x.shape
+    heads = self.config.num_heads
+    q, k, v, o, i, f = _xlstm_inputs(self, x)
+    q, k, v = (t.reshape(b, n, heads, -1) for t in (q, k, v))
+    h = mlstm_attention(q, k, v, i, f, mesh=ctx.mesh, eps=self.config.eps).to(x.dtype)
+    ctx.record(self)
+    h = self.multihead_norm(h).reshape(b, n, -1)
+    return self.out_proj(self.ogate_act_fn(o) * h), None
+
+
+_XLSTM = "transformers.models.xlstm.modeling_xlstm"
 _RWKV = "transformers.models.rwkv.modeling_rwkv"
 _GEMMA = "transformers.models.recurrent_gemma.modeling_recurrent_gemma"
 # (transformers module, class name) -> adapter forward: ``recurrent_layers.BUILTIN_ADAPTERS`` takes these
@@ -129,4 +169,5 @@ ADAPTERS = {
     (_GEMMA, "RecurrentGemmaRglru"): rglru_forward,
     (_RWKV, "RwkvSelfAttention"): rwkv_attention_forward,
     (_RWKV, "RwkvFeedForward"): rwkv_feed_forward_forward,
+    (_XLSTM, "xLSTMLayer"): xlstm_layer_forward,
 }

@@ -23,7 +23,7 @@ ENCODER_MODELS = ("modernbert", "bert")
 # hybrids whose recurrent layers ds_seqpar routes (GDN, KDA, Mamba2), built by benchmarks/tiny_configs.py
 HYBRID_MODELS = (
     "qwen3_next", "qwen3_5", "kimi_linear", "nemotron_h", "bamba", "granitemoehybrid", "zamba2",
-    "recurrent_gemma", "rwkv",
+    "recurrent_gemma", "rwkv", "xlstm",
 )  # fmt: skip
 MASK_ID = 4  # the tiny encoders' mask token
 
