@@ -45,6 +45,9 @@ def _reference(case: AttentionCase, q, k, v, dout, sinks, mesh):
         mask = (
             token_mask(pos, pos, case.spec) if docs is None else token_mask(pos, pos, case.spec, docs, docs)
         )
+        if case.chunk is not None:  # chunks counted from the first real token (HF's chunked mask)
+            chunk_of = (pos - case.left_pad).div(case.chunk, rounding_mode="floor")
+            mask = mask & (chunk_of[:, None] == chunk_of[None, :])
         out, _ = dense_attention_reference(*leaves, mask, softcap=softcap, sinks=sinks64)
     out.backward(dout.double())
     grads = [t.grad for t in leaves] + ([] if sinks64 is None else [sinks64.grad])
@@ -79,6 +82,7 @@ def run_cases(cases: list[AttentionCase]) -> list[dict[str, float]]:
             softcap=case.softcap,
             sinks=sinks_local,
             layer=0,
+            chunk=case.chunk,
         )
         out.backward(layout.shard(dout, me))
         got = [out, *(t.grad for t in local)]

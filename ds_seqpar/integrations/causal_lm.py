@@ -20,6 +20,7 @@ from ds_seqpar.integrations.hf_model import (
     UnsupportedModelError,
     check_token_locality,
     decoder_of,
+    expected_chunk,
     expected_window,
     refuse_unhonoured_features,
     unwrap_hf_model,
@@ -40,8 +41,8 @@ SHARD_EXTRAS = ("seq_len",)  # what shard_batch adds besides the model inputs
 @dataclass(frozen=True)
 class _ModelParts:
     """The HF model inside a (PEFT) wrapper, its decoder, its logits, which decoder layer each
-    submodule belongs to (``layer_of``, over ``num_layers`` layers) and the sliding window its config
-    promises (``window``); kept out of the module tree."""
+    submodule belongs to (``layer_of``, over ``num_layers`` layers) and the sliding window and attention
+    chunk its config promises (``window``, ``chunk``); kept out of the module tree."""
 
     hf: torch.nn.Module
     decoder: torch.nn.Module
@@ -49,6 +50,7 @@ class _ModelParts:
     layer_of: dict[int, int]
     num_layers: int | None
     window: int | None
+    chunk: int | None = None
 
 
 def _decoder_layers(
@@ -108,7 +110,13 @@ class SeqParCausalLM(torch.nn.Module):
         self.model = enable_sequence_parallel(model)
         layer_of, num_layers, layers = _decoder_layers(decoder, hf)
         self._parts = _ModelParts(
-            hf, decoder, ModelLogits(hf, decoder), layer_of, num_layers, expected_window(hf)
+            hf,
+            decoder,
+            ModelLogits(hf, decoder),
+            layer_of,
+            num_layers,
+            expected_window(hf),
+            expected_chunk(hf),
         )
         self.mesh = mesh
         self.memory = enable_memory_savings(hf, decoder, layers, mesh.settings.memory, mesh.group("sp_dp"))
@@ -187,6 +195,13 @@ class SeqParCausalLM(torch.nn.Module):
             raise UnsupportedModelError(
                 f"{type(hf).__name__}: config.sliding_window={window} but no attention layer passed a sliding window "
                 "to the attention (the family builds the window into a mask, which ds_seqpar does not receive); "
+                "this model cannot run under ds_seqpar"
+            )
+        chunk = self._parts.chunk
+        if chunk is not None and ctx.chunks == 0:
+            raise UnsupportedModelError(
+                f"{type(hf).__name__}: config.attention_chunk_size={chunk} but no attention layer applied a chunk "
+                "(its layers do not expose config.layer_types / layer_idx, which ds_seqpar reads the chunk from); "
                 "this model cannot run under ds_seqpar"
             )
 

@@ -108,6 +108,17 @@ def _window(name: str, sliding_window: Any) -> int | None:
     return sliding_window
 
 
+def layer_chunk(module: torch.nn.Module) -> int | None:
+    """The attention chunk of ``module``'s layer (Llama 4): ``config.attention_chunk_size`` when the layer's
+    ``config.layer_types`` entry is ``"chunked_attention"``, else None."""
+    config = getattr(module, "config", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if not chunk or types is None or index is None or index >= len(types):
+        return None
+    return chunk if types[index] == "chunked_attention" else None
+
+
 def seqpar_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -125,7 +136,7 @@ def seqpar_attention_forward(
     """The ``"ds_seqpar"`` attention implementation: HF layout in, ``(out [B, n, H, D], None)`` out.
 
     Honoured keywords: ``scaling``, ``sliding_window`` (query i sees key j iff 0 <= i - j < w),
-    ``softcap`` (Gemma 2 attention logit soft-capping), ``s_aux`` (gpt-oss attention sinks: one
+    ``softcap`` (Gemma 2 attention logit soft-capping), the layer's attention chunk (``layer_chunk``), ``s_aux`` (gpt-oss attention sinks: one
     logit per query head in the softmax denominator, gradients included), ``is_causal`` (else the
     module's ``is_causal``), ``dropout`` (only 0). Any other keyword with a non-None value, and a
     non-None ``attention_mask``, raise a ValueError naming the module, keyword and value, before any
@@ -167,7 +178,7 @@ def seqpar_attention_forward(
     if sliding_window is _UNSET:  # not passed: families that keep the window on the module (its mask)
         sliding_window = getattr(module, "sliding_window", None)
         sliding_window = sliding_window if isinstance(sliding_window, int) and sliding_window > 0 else None
-    window = _window(name, sliding_window)
+    window, chunk = _window(name, sliding_window), layer_chunk(module)
     query, key, value, v_dim = _common_head_dim(query, key, value)
     out = attention(
         query.transpose(1, 2),
@@ -183,8 +194,9 @@ def seqpar_attention_forward(
         step=ctx.step,
         softcap=softcap or None,
         sinks=_sinks(name, s_aux, query.shape[1]),
+        chunk=chunk,
     )
-    ctx.record(module, window, causal)
+    ctx.record(module, window, causal, chunk)
     return (out if v_dim is None else out[..., :v_dim]), None
 
 

@@ -86,10 +86,11 @@ def refuse_unhonoured_features(model: torch.nn.Module) -> None:
     for config in text_configs(model):
         layer_types = [str(t) for t in getattr(config, "layer_types", None) or []]
         chunk = getattr(config, "attention_chunk_size", None)
-        if chunk and (not layer_types or any("chunk" in t for t in layer_types)):
+        if chunk and not any(t == "chunked_attention" for t in layer_types):
             raise UnsupportedModelError(
-                f"{name}: config.attention_chunk_size={chunk} (chunked attention, e.g. Llama 4) is built into a mask "
-                "that ds_seqpar does not receive; this model cannot run under ds_seqpar"
+                f"{name}: config.attention_chunk_size={chunk} (chunked attention) without config.layer_types naming "
+                "its 'chunked_attention' layers: ds_seqpar applies the chunk to the layers those entries name, so "
+                "this model cannot run under ds_seqpar"
             )
         if getattr(config, "index_topk", None):
             raise UnsupportedModelError(
@@ -123,6 +124,16 @@ def expected_window(model: torch.nn.Module) -> int | None:
         if layer_types is not None and not any("sliding" in str(t) for t in layer_types):
             continue
         return window
+    return None
+
+
+def expected_chunk(model: torch.nn.Module) -> int | None:
+    """The attention chunk the config gives its ``"chunked_attention"`` layers (None: no chunked layer);
+    ``SeqParCausalLM`` checks after the first forward that such a layer passed it to the attention."""
+    for config in text_configs(model):
+        chunk = getattr(config, "attention_chunk_size", None)
+        if chunk and "chunked_attention" in [str(t) for t in getattr(config, "layer_types", None) or []]:
+            return chunk
     return None
 
 

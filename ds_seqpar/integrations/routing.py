@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ds_seqpar.integrations.attention_layers import route_attention_layers, unroute_attention_layers
 from ds_seqpar.integrations.hf_attention import ATTN_IMPLEMENTATION, register_attention
 from ds_seqpar.integrations.hf_model import UnsupportedModelError, unwrap_hf_model
 from ds_seqpar.integrations.recurrent_layers import route_recurrent_layers, unroute_recurrent_layers
@@ -44,6 +45,7 @@ def enable_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
         ) from exc
     model._ds_seqpar_original_attn = original
     route_recurrent_layers(model)
+    route_attention_layers(model)
     return wrapper
 
 
@@ -55,4 +57,5 @@ def disable_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
         model.set_attn_implementation(original)
         del model._ds_seqpar_original_attn
     unroute_recurrent_layers(model)
+    unroute_attention_layers(model)
     return wrapper

@@ -30,7 +30,7 @@ from ds_seqpar.comm.schedules import RingSchedule
 from ds_seqpar.layout import ContiguousLayout, UspLayout
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.attention import check_softcap, resolve_kernel
-from ds_seqpar.ops.masks import MaskSpec
+from ds_seqpar.ops.masks import MaskSpec, check_chunk, chunk_doc_ids
 from ds_seqpar.ops.precision import accumulation_dtype
 from ds_seqpar.ops.sparse.kernels import resolve_sparse_kernel
 from ds_seqpar.parallel.activation import sparse_layer_active
@@ -144,6 +144,7 @@ def attention(
     step: int = 0,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Exact attention over the whole sequence that the SP group shares; the configured algorithm.
 
@@ -167,6 +168,9 @@ def attention(
             attention logit soft-capping); ``kernel: auto`` picks a kernel that applies it.
         sinks: None, or ``[H]`` attention-sink logits, one per query head (gpt-oss ``s_aux``): each
             joins every row's softmax denominator with a zero value; differentiable.
+        chunk: None, or c >= 1: chunked attention (Llama 4's ``attention_chunk_size``): a query sees only
+            the keys of its own chunk of c consecutive tokens of its row (counted from the row's first
+            real token), with ``causal`` and ``window`` inside; run as documents cut at every chunk border.
 
     Returns:
         ``out [B, n, H, D]`` in q.dtype; differentiable in q, k, v (and sinks). Exact for every
@@ -180,21 +184,53 @@ def attention(
     resolve_kernel(
         settings.kernel, q.device, q.dtype, softcap
     )  # an unavailable kernel fails here, not mid-collective
-    agree = (q, k, v, sinks, doc_ids), (int(causal), -1 if window is None else window)
+    agree = (q, k, v, sinks, doc_ids), tuple(-1 if x is None else int(x) for x in (causal, window, chunk))
+    doc_ids = _chunked(doc_ids, chunk, seq_len, q.device, settings.attention)  # the mask's documents
     if settings.attention == "sparse_ring" and causal and sparse_layer_active(settings.sparse, layer, step):
         resolve_sparse_kernel(settings.sparse.kernel, q.device, q.dtype)  # fails here, not mid-collective
-        check_same_inputs(mesh, "ds_seqpar.attention", AGREED, *agree, SAME_SHARDS, ("causal", "window"))
+        check_same_inputs(
+            mesh, "ds_seqpar.attention", AGREED, *agree, SAME_SHARDS, ("causal", "window", "chunk")
+        )
         mask = dict(window=window, doc_ids=doc_ids, work=work, layer=layer, softcap=softcap, sinks=sinks)
         return sparse_attention(q, k, v, mesh=mesh, layout=layout, schedule=mesh.schedule(), seq_len=seq_len,
                                 softmax_scale=softmax_scale, **mask)  # fmt: skip
     mask = MaskSpec(causal=causal, window=window)
     if layout.group_degree is not None:  # dynamic_degree: this batch runs in groups over their own documents
         plan = grouped_plan(mesh, layout, mask, doc_ids, work, softcap)
-        check_same_inputs(mesh, "ds_seqpar.attention", AGREED, *agree, SAME_SHARDS, ("causal", "window"))
+        check_same_inputs(
+            mesh, "ds_seqpar.attention", AGREED, *agree, SAME_SHARDS, ("causal", "window", "chunk")
+        )
         return grouped_attention(q, k, v, plan, softmax_scale, sinks)
     plan = _ring_plan(mesh, layout, mask, doc_ids, work, softcap)
-    check_same_inputs(mesh, "ds_seqpar.attention", AGREED, *agree, SAME_SHARDS, ("causal", "window"))
+    check_same_inputs(mesh, "ds_seqpar.attention", AGREED, *agree, SAME_SHARDS, ("causal", "window", "chunk"))
     return _ulysses_over_ring(q, k, v, mesh, plan, softmax_scale, sinks)
+
+
+CHUNK_IDS: dict[tuple, tuple[torch.Tensor | None, torch.Tensor]] = {}  # (ids tensor or None, chunked ids)
+
+
+def _chunked(
+    doc_ids: torch.Tensor | None, chunk: int | None, seq_len: int, device: torch.device, algorithm: str
+) -> torch.Tensor | None:
+    """The document ids of the mask: ``doc_ids`` itself without a chunk, else ``chunk_doc_ids``, built once
+    per batch (every chunked layer of a step asks with the same ids, and the ring plan is cached per ids
+    tensor). The layout keeps following ``doc_ids``."""
+    if check_chunk(chunk) is None:
+        return doc_ids
+    if algorithm == "sparse_ring":
+        raise ValueError(
+            f"chunk={chunk} (chunked attention) is not supported with sequence_parallel.attention='sparse_ring': "
+            "its pattern is estimated over the whole row; use attention 'usp' for a model with chunked layers"
+        )
+    key = (None if doc_ids is None else id(doc_ids), chunk, seq_len, str(device))
+    entry = CHUNK_IDS.get(key)
+    if entry is not None and entry[0] is doc_ids:
+        return entry[1]
+    if len(CHUNK_IDS) >= 16:
+        CHUNK_IDS.clear()
+    ids = chunk_doc_ids(doc_ids, chunk, seq_len, device)
+    CHUNK_IDS[key] = (doc_ids, ids)
+    return ids
 
 
 def _ring_plan(

@@ -205,4 +205,5 @@ AB_CASES = [
     ("llama", 2, 2, 2),
     # attention softcap + final softcap, logit divisor, logit scale, attention sinks (+ MoE)
     *((kind, 4, 2, 3) for kind in FEATURE_MODELS),
+    ("llama4_text", 4, 1, 3),  # chunked attention and the NoPE query temperature on a ring of 4
 ]

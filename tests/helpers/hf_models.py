@@ -15,6 +15,16 @@ FEATURE_MODELS = {
     "granite": dict(logits_scaling=4.0),
     "cohere": dict(logit_scale=0.25),
     "gpt_oss": dict(sliding_window=12),  # attention sinks (s_aux) on every layer
+    # chunked attention (layer 0) and a NoPE layer's query temperature from the global index (layer 1)
+    "llama4_text": dict(
+        attention_chunk_size=16,
+        floor_scale=4,
+        attn_scale=0.5,
+        no_rope_layers=[1, 0],
+        layer_types=["chunked_attention", "full_attention"],
+        intermediate_size_mlp=96,
+        num_local_experts=2,
+    ),
 }
 
 
