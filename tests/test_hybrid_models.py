@@ -1,4 +1,5 @@
-"""Hybrid HF models whose recurrent layers ds_seqpar routes (gated DeltaNet, KDA, Mamba2) equal the plain model.
+"""Hybrid HF models whose recurrent layers ds_seqpar routes (gated DeltaNet, KDA, Mamba2, ZAYA's convolved
+projections) equal the plain model.
 
 Tiny float32 models from ``benchmarks/tiny_configs.py`` (softmax layers through the ``"ds_seqpar"``
 attention, recurrent layers through the registry's adapters), 4 gloo ranks: one forward/backward over
@@ -26,6 +27,8 @@ CASES = [
     ("bamba", 2, "contiguous", 64),
     ("granitemoehybrid", 2, "zigzag", 64),
     ("zamba2", 1, "zigzag", 64),  # its tiny Mamba layers have one head: U = 1
+    ("zaya", 2, "zigzag", 62),  # q/k convolutions and the value shift: halos over zigzag runs, end padding
+    ("zaya", 1, "stripe", 64),  # R 4, stripes of one token: every halo row from another rank
 ]
 
 

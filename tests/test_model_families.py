@@ -37,11 +37,13 @@ EXPECTED = {
     "kimi_linear": "exact",  # Kimi Delta Attention: per-channel decay
     "nemotron_h": "exact",  # Mamba2 mixers, MLP-only layers
     "jamba": "refused",  # Mamba (v1) layers
-    "zaya": "refused",  # a causal Conv1d inside the attention's projections
+    "zaya": "exact",  # causal Conv1d inside the attention's projections: halo exchange (a routed layer)
     "roberta": "refused",  # positions derived from padding (probe: a shard differs from the whole)
     "whisper": "refused",  # its loss does not shift the labels
     "llama4": "exact",  # chunked attention (documents cut at chunk borders), NoPE layers' query temperature
-    "phimoe": "refused",  # sliding window only in the mask, never passed to the attention
+    "phimoe": "exact",  # sliding window only in the mask: read from the config (WINDOW_FROM_CONFIG)
+    "doge": "refused",  # a learned per-key bias and a top-k key selection over the whole row
+    "moshi": "exact",  # config.sliding_window that its mask never applies (WINDOW_UNUSED)
 }
 
 

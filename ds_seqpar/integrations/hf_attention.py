@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ds_seqpar.integrations.context import CONTEXT_KEY, SeqParContext, current_context
-from ds_seqpar.integrations.hf_model import UnsupportedModelError
+from ds_seqpar.integrations.hf_model import WINDOW_FROM_CONFIG, UnsupportedModelError
 from ds_seqpar.parallel.cross import cross_attention
 from ds_seqpar.parallel.usp import attention
 
@@ -108,6 +108,16 @@ def _window(name: str, sliding_window: Any) -> int | None:
     return sliding_window
 
 
+def _module_window(module: torch.nn.Module) -> int | None:
+    """The window of a layer that does not pass ``sliding_window``: kept on the module (Qwen2-MoE), or the
+    config's for a family whose mask applies it to every layer (``WINDOW_FROM_CONFIG``)."""
+    window = getattr(module, "sliding_window", None)
+    config = getattr(module, "config", None)
+    if window is None and getattr(config, "model_type", None) in WINDOW_FROM_CONFIG:
+        window = getattr(config, "sliding_window", None)
+    return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
+
+
 def layer_chunk(module: torch.nn.Module) -> int | None:
     """The attention chunk of ``module``'s layer (Llama 4): ``config.attention_chunk_size`` when the layer's
     ``config.layer_types`` entry is ``"chunked_attention"``, else None."""
@@ -175,9 +185,8 @@ def seqpar_attention_forward(
             "key per query token: pass use_cache=False, and generate with an unwrapped model"
         )
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
-    if sliding_window is _UNSET:  # not passed: families that keep the window on the module (its mask)
-        sliding_window = getattr(module, "sliding_window", None)
-        sliding_window = sliding_window if isinstance(sliding_window, int) and sliding_window > 0 else None
+    if sliding_window is _UNSET:  # not passed: the module's window (its mask), or the config's (Phi-MoE)
+        sliding_window = _module_window(module)
     window, chunk = _window(name, sliding_window), layer_chunk(module)
     query, key, value, v_dim = _common_head_dim(query, key, value)
     out = attention(

@@ -98,6 +98,13 @@ def refuse_unhonoured_features(model: torch.nn.Module) -> None:
                 "(DeepSeek sparse attention), which ds_seqpar does not split over the sequence; this model cannot "
                 "run under ds_seqpar"
             )
+        if getattr(config, "keep_window_size", None):
+            raise UnsupportedModelError(
+                f"{name}: dynamic mask attention (config.keep_window_size={config.keep_window_size}, Doge): each key "
+                "gets a learned bias from its value, and above keep_window_size keys each query keeps only its "
+                "top keep_window_size keys by that bias, chosen over the whole row; ds_seqpar's kernels take no "
+                "per-key learned bias and no such selection, so this model cannot run under ds_seqpar"
+            )
         if getattr(config, "output_router_logits", False):
             coef = getattr(config, "router_aux_loss_coef", None)
             raise UnsupportedModelError(
@@ -105,6 +112,13 @@ def refuse_unhonoured_features(model: torch.nn.Module) -> None:
                 f"{coef}) to the model's loss, which ds_seqpar's sequence-parallel loss does not compute; set "
                 "model.config.output_router_logits=False (the router still routes every token the same way)"
             )
+
+
+# Families whose MASK applies ``config.sliding_window`` to every layer while their attention layers neither
+# pass it nor keep it (the attention reads it from ``module.config``), and families whose config carries a
+# ``sliding_window`` that nothing uses (their mask is plain causal). Keyed by ``config.model_type``.
+WINDOW_FROM_CONFIG = frozenset({"phimoe"})
+WINDOW_UNUSED = frozenset({"moshi"})
 
 
 def expected_window(model: torch.nn.Module) -> int | None:
@@ -118,7 +132,7 @@ def expected_window(model: torch.nn.Module) -> int | None:
         window = getattr(config, "sliding_window", None)
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             continue
-        if getattr(config, "use_sliding_window", True) is False:
+        if getattr(config, "use_sliding_window", True) is False or config.model_type in WINDOW_UNUSED:
             continue
         layer_types = getattr(config, "layer_types", None)
         if layer_types is not None and not any("sliding" in str(t) for t in layer_types):

@@ -14,6 +14,7 @@ convolution weights, norms, gates and output, and hands only what spans the sequ
     KimiLinearDeltaAttention (Kimi Delta Attention)        conv1d halo + delta rule with per-channel decay
     NemotronHMamba2Mixer, BambaMixer,                      conv1d halo + Mamba2 SSD (decay per token and head)
     GraniteMoeHybridMambaLayer, Zamba2MambaMixer
+    ZayaCCAProjection (ZAYA's q/k/v projection)            halo of the q/k convolutions + one-token value shift
 
 A family is one entry: ``register_recurrent_layer(cls, forward)``. Built-in entries are resolved only
 when their transformers module is already imported (no model module is imported to look one up).
@@ -30,6 +31,7 @@ from collections.abc import Callable
 import torch
 
 from ds_seqpar.integrations import recurrent_adapters as adapters
+from ds_seqpar.integrations.conv_projection_adapters import zaya_cca_forward
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
 
 # transformers module, class name -> adapter forward (resolved lazily into REGISTRY)
@@ -54,6 +56,7 @@ BUILTIN_ADAPTERS: dict[tuple[str, str], Callable] = {
         adapters.mamba2_forward
     ),
     ("transformers.models.zamba2.modeling_zamba2", "Zamba2MambaMixer"): adapters.mamba2_forward,
+    ("transformers.models.zaya.modeling_zaya", "ZayaCCAProjection"): zaya_cca_forward,
 }
 REGISTRY: dict[type, Callable] = {}
 UNSUPPORTED_RECURRENT = (

@@ -30,8 +30,11 @@ FEATURE_MODELS = {
 
 # bidirectional encoders with a masked-LM head
 ENCODER_MODELS = ("modernbert", "bert")
-# hybrids whose recurrent layers ds_seqpar routes (GDN, KDA, Mamba2), built by benchmarks/tiny_configs.py
-HYBRID_MODELS = ("qwen3_next", "qwen3_5", "kimi_linear", "nemotron_h", "bamba", "granitemoehybrid", "zamba2")
+# hybrids whose recurrent layers ds_seqpar routes (GDN, KDA, Mamba2, ZAYA's convolved projections), built by
+# benchmarks/tiny_configs.py
+HYBRID_MODELS = (
+    "qwen3_next", "qwen3_5", "kimi_linear", "nemotron_h", "bamba", "granitemoehybrid", "zamba2", "zaya",
+)  # fmt: skip
 MASK_ID = 4  # the tiny encoders' mask token
 
 
