@@ -4,9 +4,9 @@ The default suite runs a fixed subset that covers every mechanism ds_seqpar hono
 plain attention, attention soft-capping and a final logit soft-cap, logit divisors and scales,
 attention sinks, sliding windows, per-layer attention types, parallel blocks, MoE routing, a
 composite (multimodal) model on text, MLA head dims, nested decoders, layers that do not forward
-their keyword arguments, routed recurrent layers (gated DeltaNet, KDA, Mamba2); and every kind of
-refusal: Mamba (v1) layers, convolutions, positions derived outside ``position_ids``, another loss
-convention, chunked attention, a window that only lives in a mask. The slow suite
+their keyword arguments, routed recurrent layers (gated DeltaNet, KDA, Mamba2, short convolutions);
+and every kind of refusal: Mamba (v1) layers, convolutions, positions derived outside ``position_ids``,
+another loss convention, chunked attention, a window that only lives in a mask, indexed (QSA) attention. The slow suite
 runs ``benchmarks/model_sweep.py`` over every causal-LM type of the installed transformers.
 """
 
@@ -36,12 +36,15 @@ EXPECTED = {
     "qwen3_next": "exact",  # gated DeltaNet layers (conv1d halo + matrix All-Scan), MoE
     "kimi_linear": "exact",  # Kimi Delta Attention: per-channel decay
     "nemotron_h": "exact",  # Mamba2 mixers, MLP-only layers
+    "olmo_hybrid": "exact",  # gated DeltaNet with beta in [0, 2] (allow_neg_eigval)
+    "lfm2": "exact",  # gated short convolutions (conv halo only)
     "jamba": "refused",  # Mamba (v1) layers
     "zaya": "refused",  # a causal Conv1d inside the attention's projections
     "roberta": "refused",  # positions derived from padding (probe: a shard differs from the whole)
     "whisper": "refused",  # its loss does not shift the labels
     "llama4": "refused",  # chunked attention (a mask ds_seqpar does not receive)
     "phimoe": "refused",  # sliding window only in the mask, never passed to the attention
+    "qwen4_exp_text": "refused",  # QSA indexed attention (learned selection of compressed key blocks)
 }
 
 

@@ -20,8 +20,9 @@ FEATURE_MODELS = {
 
 # bidirectional encoders with a masked-LM head
 ENCODER_MODELS = ("modernbert", "bert")
-# hybrids whose recurrent layers ds_seqpar routes (GDN, KDA, Mamba2), built by benchmarks/tiny_configs.py
-HYBRID_MODELS = ("qwen3_next", "qwen3_5", "kimi_linear", "nemotron_h", "bamba", "granitemoehybrid", "zamba2")
+# hybrids whose recurrent layers ds_seqpar routes (GDN, KDA, Mamba2, short convs), built by benchmarks/tiny_configs.py
+HYBRID_MODELS = ("qwen3_next", "qwen3_5", "kimi_linear", "nemotron_h", "bamba", "granitemoehybrid", "zamba2",
+                 "olmo_hybrid", "bailing_hybrid", "lara_mini", "lfm2", "lfm2_moe", "lfm3")  # fmt: skip
 MASK_ID = 4  # the tiny encoders' mask token
 
 
