@@ -3,7 +3,7 @@
 Such a layer carries no state beyond its K - 1 previous inputs, so it needs no scan: only the causal
 depthwise conv spans the sequence, and it gets the previous rank's last K - 1 inputs as a halo
 (``parallel/delta_scan.sharded_causal_conv1d``, ``comm/halo.py``). Everything else is per token.
-See docs/delta.md ("Short convolutions").
+Conventions: docs/delta.md ("Conventions of each family").
 """
 
 from __future__ import annotations
