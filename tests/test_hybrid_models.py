@@ -1,4 +1,4 @@
-"""Hybrid HF models whose recurrent layers ds_seqpar routes (gated DeltaNet, KDA, Mamba2, ZAYA's convolved
+"""Hybrid HF models whose recurrent layers ds_seqpar routes (GDN, KDA, Mamba2, short convs, ZAYA's convolved
 projections) equal the plain model.
 
 Tiny float32 models from ``benchmarks/tiny_configs.py`` (softmax layers through the ``"ds_seqpar"``
@@ -18,7 +18,8 @@ from ds_seqpar.integrations.recurrent_layers import REGISTRY, adapter_for, route
 from tests.helpers.hf_ab import deepspeed_ab, sp_vs_reference
 from tests.helpers.hf_models import HYBRID_MODELS, batches
 
-DEFAULT_ZERO3 = ("qwen3_next", "kimi_linear", "nemotron_h", "bamba")  # the others: slow suite
+# the others: slow suite
+DEFAULT_ZERO3 = ("qwen3_next", "kimi_linear", "nemotron_h", "bamba", "olmo_hybrid", "lfm2")
 CASES = [
     ("qwen3_next", 2, "zigzag", 64),  # GDN, GVA (value heads > key heads)
     ("qwen3_5", 1, "contiguous", 62),
@@ -27,6 +28,9 @@ CASES = [
     ("bamba", 2, "contiguous", 64),
     ("granitemoehybrid", 2, "zigzag", 64),
     ("zamba2", 1, "zigzag", 64),  # its tiny Mamba layers have one head: U = 1
+    ("olmo_hybrid", 2, "zigzag", 62),  # GDN with allow_neg_eigval (beta in [0, 2]), g_proj gate
+    ("bailing_hybrid", 2, "contiguous", 64),  # KDA with the safe (bounded sigmoid) forget gate
+    ("lfm2", 2, "zigzag", 62),  # gated short conv: the conv halo only, no scan
     ("zaya", 2, "zigzag", 62),  # q/k convolutions and the value shift: halos over zigzag runs, end padding
     ("zaya", 1, "stripe", 64),  # R 4, stripes of one token: every halo row from another rank
 ]
@@ -41,11 +45,15 @@ def test_forward_backward_equals_plain_model(dist_pool, kind, u, layout, seq_len
         assert rep["grad_rel_err"] <= 1e-5, rep
 
 
+ZERO3_CASES = [(k, 1 if k == "zamba2" else 2) for k in HYBRID_MODELS]  # zamba2's tiny Mamba layers: one head
+ZERO3_CASES += [("olmo_hybrid", 1), ("lfm2", 1)]  # and at R 4
+
+
 @pytest.mark.parametrize(
-    "kind", [k if k in DEFAULT_ZERO3 else pytest.param(k, marks=pytest.mark.slow) for k in HYBRID_MODELS]
+    ("kind", "u"),
+    [(k, u) if k in DEFAULT_ZERO3 else pytest.param(k, u, marks=pytest.mark.slow) for k, u in ZERO3_CASES],
 )
-def test_zero3_training_matches_plain_model(dist_pool, kind):
-    u = 1 if kind == "zamba2" else 2  # zamba2's tiny Mamba layers have one head
+def test_zero3_training_matches_plain_model(dist_pool, kind, u):
     for rep in dist_pool(4).run(deepspeed_ab, kind, 4, u, 3, 5, 64, 0.5):
         assert max(rep["loss_errs"]) <= 1e-5, rep
         assert rep["grad_err"] <= 1e-5, rep

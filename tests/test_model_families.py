@@ -4,9 +4,9 @@ The default suite runs a fixed subset that covers every mechanism ds_seqpar hono
 plain attention, attention soft-capping and a final logit soft-cap, logit divisors and scales,
 attention sinks, sliding windows, per-layer attention types, parallel blocks, MoE routing, a
 composite (multimodal) model on text, MLA head dims, nested decoders, layers that do not forward
-their keyword arguments, routed recurrent layers (gated DeltaNet, KDA, Mamba2); and every kind of
-refusal: Mamba (v1) layers, convolutions, positions derived outside ``position_ids``, another loss
-convention, a window that only lives in a mask. Chunked attention (Llama 4) is exact. The slow suite
+their keyword arguments, routed recurrent layers (gated DeltaNet, KDA, Mamba2, short convolutions);
+and every kind of refusal: convolutions, positions derived outside ``position_ids``, another loss
+convention, indexed (QSA) attention, Doge's dynamic mask. Chunked attention (Llama 4) is exact. The slow suite
 runs ``benchmarks/model_sweep.py`` over every causal-LM type of the installed transformers.
 """
 
@@ -36,6 +36,8 @@ EXPECTED = {
     "qwen3_next": "exact",  # gated DeltaNet layers (conv1d halo + matrix All-Scan), MoE
     "kimi_linear": "exact",  # Kimi Delta Attention: per-channel decay
     "nemotron_h": "exact",  # Mamba2 mixers, MLP-only layers
+    "olmo_hybrid": "exact",  # gated DeltaNet with beta in [0, 2] (allow_neg_eigval)
+    "lfm2": "exact",  # gated short convolutions (conv halo only)
     "jamba": "refused",  # Mamba (v1) layers
     "zaya": "exact",  # causal Conv1d inside the attention's projections: halo exchange (a routed layer)
     "roberta": "refused",  # positions derived from padding (probe: a shard differs from the whole)
@@ -44,6 +46,7 @@ EXPECTED = {
     "phimoe": "exact",  # sliding window only in the mask: read from the config (WINDOW_FROM_CONFIG)
     "doge": "refused",  # a learned per-key bias and a top-k key selection over the whole row
     "moshi": "exact",  # config.sliding_window that its mask never applies (WINDOW_UNUSED)
+    "qwen4_exp_text": "refused",  # QSA indexed attention (learned selection of compressed key blocks)
 }
 
 

@@ -5,16 +5,21 @@ whose sequence mixing is a state carried along the sequence rather than softmax 
 
 Each adapter replaces one layer instance's forward with one that keeps the module's own projections,
 convolution weights, norms, gates and output, and hands only what spans the sequence to ds_seqpar
-(``integrations/recurrent_adapters.py``; conventions per family in docs/delta.md):
+(``integrations/recurrent_adapters.py``, ``delta_adapters.py``, ``conv_adapters.py``; conventions per
+family in docs/delta.md):
 
     class (transformers 5.x)                               what runs under SP
     MiniMaxLightningAttention                              linear attention, decay per head (All-Scan)
     Qwen3NextGatedDeltaNet, Qwen3_5GatedDeltaNet           conv1d halo + gated delta rule (matrix All-Scan)
-    Qwen3_5MoeGatedDeltaNet
+    Qwen3_5MoeGatedDeltaNet, LaraMiniGatedDeltaNet,
+    Qwen4ExpTextGatedDeltaNet
+    OlmoHybridGatedDeltaNet                                conv1d halo + gated delta rule, β ∈ [0, 2]
     KimiLinearDeltaAttention (Kimi Delta Attention)        conv1d halo + delta rule with per-channel decay
+    BailingHybridDeltaAttention                            conv1d halo + KDA (delta_adapters.py)
     NemotronHMamba2Mixer, BambaMixer,                      conv1d halo + Mamba2 SSD (decay per token and head)
     GraniteMoeHybridMambaLayer, Zamba2MambaMixer
     ZayaCCAProjection (ZAYA's q/k/v projection)            halo of the q/k convolutions + one-token value shift
+    Lfm2ShortConv, Lfm2MoeShortConv, Lfm3ShortConv         gated short conv: conv1d halo only (conv_adapters.py)
 
 A family is one entry: ``register_recurrent_layer(cls, forward)``. Built-in entries are resolved only
 when their transformers module is already imported (no model module is imported to look one up).
@@ -30,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 
+from ds_seqpar.integrations import conv_adapters, delta_adapters
 from ds_seqpar.integrations import recurrent_adapters as adapters
 from ds_seqpar.integrations.conv_projection_adapters import zaya_cca_forward
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
@@ -56,6 +62,23 @@ BUILTIN_ADAPTERS: dict[tuple[str, str], Callable] = {
         adapters.mamba2_forward
     ),
     ("transformers.models.zamba2.modeling_zamba2", "Zamba2MambaMixer"): adapters.mamba2_forward,
+    (
+        "transformers.models.lara_mini.modeling_lara_mini",
+        "LaraMiniGatedDeltaNet",
+    ): adapters.qwen3_5_gdn_forward,
+    (
+        "transformers.models.qwen4_exp.modeling_qwen4_exp",
+        "Qwen4ExpTextGatedDeltaNet",
+    ): adapters.qwen3_5_gdn_forward,
+    ("transformers.models.olmo_hybrid.modeling_olmo_hybrid", "OlmoHybridGatedDeltaNet"): (
+        delta_adapters.olmo_hybrid_gdn_forward
+    ),
+    ("transformers.models.bailing_hybrid.modeling_bailing_hybrid", "BailingHybridDeltaAttention"): (
+        delta_adapters.bailing_kda_forward
+    ),
+    ("transformers.models.lfm2.modeling_lfm2", "Lfm2ShortConv"): conv_adapters.short_conv_forward,
+    ("transformers.models.lfm2_moe.modeling_lfm2_moe", "Lfm2MoeShortConv"): conv_adapters.short_conv_forward,
+    ("transformers.models.lfm3.modeling_lfm3", "Lfm3ShortConv"): conv_adapters.short_conv_forward,
     ("transformers.models.zaya.modeling_zaya", "ZayaCCAProjection"): zaya_cca_forward,
 }
 REGISTRY: dict[type, Callable] = {}

@@ -30,11 +30,10 @@ FEATURE_MODELS = {
 
 # bidirectional encoders with a masked-LM head
 ENCODER_MODELS = ("modernbert", "bert")
-# hybrids whose recurrent layers ds_seqpar routes (GDN, KDA, Mamba2, ZAYA's convolved projections), built by
-# benchmarks/tiny_configs.py
-HYBRID_MODELS = (
-    "qwen3_next", "qwen3_5", "kimi_linear", "nemotron_h", "bamba", "granitemoehybrid", "zamba2", "zaya",
-)  # fmt: skip
+# hybrids whose recurrent layers ds_seqpar routes (GDN, KDA, Mamba2, short convs, ZAYA's convolved projections),
+# built by benchmarks/tiny_configs.py
+HYBRID_MODELS = ("qwen3_next", "qwen3_5", "kimi_linear", "nemotron_h", "bamba", "granitemoehybrid", "zamba2",
+                 "olmo_hybrid", "bailing_hybrid", "lara_mini", "lfm2", "lfm2_moe", "lfm3", "zaya")  # fmt: skip
 MASK_ID = 4  # the tiny encoders' mask token
 
 
