@@ -5,15 +5,19 @@ whose sequence mixing is a state carried along the sequence rather than softmax 
 
 Each adapter replaces one layer instance's forward with one that keeps the module's own projections,
 convolution weights, norms, gates and output, and hands only what spans the sequence to ds_seqpar
-(``integrations/recurrent_adapters.py``; conventions per family in docs/delta.md):
+(``integrations/recurrent_adapters.py``, the Mamba mixers in ``integrations/mamba_adapters.py``; conventions
+per family in docs/delta.md):
 
     class (transformers 5.x)                               what runs under SP
     MiniMaxLightningAttention                              linear attention, decay per head (All-Scan)
     Qwen3NextGatedDeltaNet, Qwen3_5GatedDeltaNet           conv1d halo + gated delta rule (matrix All-Scan)
     Qwen3_5MoeGatedDeltaNet
     KimiLinearDeltaAttention (Kimi Delta Attention)        conv1d halo + delta rule with per-channel decay
-    NemotronHMamba2Mixer, BambaMixer,                      conv1d halo + Mamba2 SSD (decay per token and head)
-    GraniteMoeHybridMambaLayer, Zamba2MambaMixer
+    NemotronHMamba2Mixer, BambaMixer,                      conv1d halo + Mamba2 SSD (decay per token and head;
+    GraniteMoeHybridMambaLayer, Zamba2MambaMixer,          heads < U split along head_dim)
+    Mamba2Mixer, FalconH1Mixer (muP multipliers)
+    MambaMixer, FalconMambaMixer, JambaMambaMixer          conv1d halo + Mamba v1 selective scan (one head per
+    (dt / B / C norms), ZambaMambaMixer (per-head B, C)    channel, decay per token and state index)
 
 A family is one entry: ``register_recurrent_layer(cls, forward)``. Built-in entries are resolved only
 when their transformers module is already imported (no model module is imported to look one up).
@@ -29,6 +33,7 @@ from collections.abc import Callable
 
 import torch
 
+from ds_seqpar.integrations import mamba_adapters as mamba
 from ds_seqpar.integrations import recurrent_adapters as adapters
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
 
@@ -48,12 +53,21 @@ BUILTIN_ADAPTERS: dict[tuple[str, str], Callable] = {
         "transformers.models.kimi_linear.modeling_kimi_linear",
         "KimiLinearDeltaAttention",
     ): adapters.kda_forward,
-    ("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer"): adapters.mamba2_forward,
-    ("transformers.models.bamba.modeling_bamba", "BambaMixer"): adapters.mamba2_forward,
+    ("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer"): mamba.mamba2_forward,
+    ("transformers.models.bamba.modeling_bamba", "BambaMixer"): mamba.mamba2_forward,
     ("transformers.models.granitemoehybrid.modeling_granitemoehybrid", "GraniteMoeHybridMambaLayer"): (
-        adapters.mamba2_forward
+        mamba.mamba2_forward
     ),
-    ("transformers.models.zamba2.modeling_zamba2", "Zamba2MambaMixer"): adapters.mamba2_forward,
+    ("transformers.models.zamba2.modeling_zamba2", "Zamba2MambaMixer"): mamba.mamba2_forward,
+    ("transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer"): mamba.mamba2_forward,
+    ("transformers.models.falcon_h1.modeling_falcon_h1", "FalconH1Mixer"): mamba.falcon_h1_forward,
+    ("transformers.models.mamba.modeling_mamba", "MambaMixer"): mamba.mamba_forward,
+    (
+        "transformers.models.falcon_mamba.modeling_falcon_mamba",
+        "FalconMambaMixer",
+    ): mamba.normed_mamba_forward,
+    ("transformers.models.jamba.modeling_jamba", "JambaMambaMixer"): mamba.normed_mamba_forward,
+    ("transformers.models.zamba.modeling_zamba", "ZambaMambaMixer"): mamba.zamba_forward,
 }
 REGISTRY: dict[type, Callable] = {}
 UNSUPPORTED_RECURRENT = (
