@@ -86,7 +86,7 @@ def selective_scan(
     heads = HeadPlan.build(d, d, u)
     dt = dt.to(acc)
     v2, dt2 = to_heads([(dt * x.to(acc))[..., None], dt[..., None]], heads, group, me, stats)
-    bc = torch.cat([b, c], dim=-1).to(acc).reshape(bsz, n, 1, 2 * groups * state)
+    bc = torch.cat([b, c], dim=2).to(acc).reshape(bsz, n, 1, 2 * groups * state)  # (B | C, G, N)
     (bc2,) = to_heads([bc.expand(-1, -1, u, -1)], HeadPlan.build(u, u, u), group, me, stats)
     start = sum(heads.q_counts[:me])
     mine = torch.arange(start, start + heads.q_counts[me], device=x.device)
