@@ -4,9 +4,10 @@ The default suite runs a fixed subset that covers every mechanism ds_seqpar hono
 plain attention, attention soft-capping and a final logit soft-cap, logit divisors and scales,
 attention sinks, sliding windows, per-layer attention types, parallel blocks, MoE routing, a
 composite (multimodal) model on text, MLA head dims, nested decoders, layers that do not forward
-their keyword arguments, routed recurrent layers (gated DeltaNet, KDA, Mamba2, short convolutions);
-and every kind of refusal: convolutions, positions derived outside ``position_ids``, another loss
-convention, indexed (QSA) attention, Doge's dynamic mask. Chunked attention (Llama 4) is exact. The slow suite
+their keyword arguments, routed recurrent layers (gated DeltaNet, KDA, Mamba2, Mamba v1, short
+convolutions); and every kind of refusal: a recurrent layer kind without an adapter, positions derived
+outside ``position_ids``, another loss convention, indexed (QSA) attention, Doge's dynamic mask. Chunked
+attention (Llama 4) is exact. The slow suite
 runs ``benchmarks/model_sweep.py`` over every causal-LM type of the installed transformers.
 """
 
@@ -38,8 +39,15 @@ EXPECTED = {
     "nemotron_h": "exact",  # Mamba2 mixers, MLP-only layers
     "olmo_hybrid": "exact",  # gated DeltaNet with beta in [0, 2] (allow_neg_eigval)
     "lfm2": "exact",  # gated short convolutions (conv halo only)
-    "jamba": "refused",  # Mamba (v1) layers
     "zaya": "exact",  # causal Conv1d inside the attention's projections: halo exchange (a routed layer)
+    "mamba": "exact",  # Mamba v1 selective scan (one head per channel), attention-free
+    "falcon_mamba": "exact",  # Mamba v1 with RMS norms on dt, B, C
+    "jamba": "exact",  # Mamba v1 + attention + MoE
+    "zamba": "exact",  # Mamba v1 with per-head B, C and a shared attention block
+    "mamba2": "exact",  # Mamba2 mixers, attention-free
+    "falcon_h1": "exact",  # Mamba2 + attention in parallel, muP multipliers
+    "zamba2": "exact",  # one Mamba2 head < U = 2: split along head_dim
+    "recurrent_gemma": "refused",  # a recurrent layer kind no adapter covers (RG-LRU)
     "roberta": "refused",  # positions derived from padding (probe: a shard differs from the whole)
     "whisper": "refused",  # its loss does not shift the labels
     "llama4": "exact",  # chunked attention (documents cut at chunk borders), NoPE layers' query temperature

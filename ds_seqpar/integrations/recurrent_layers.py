@@ -5,8 +5,8 @@ whose sequence mixing is a state carried along the sequence rather than softmax 
 
 Each adapter replaces one layer instance's forward with one that keeps the module's own projections,
 convolution weights, norms, gates and output, and hands only what spans the sequence to ds_seqpar
-(``integrations/recurrent_adapters.py``, ``delta_adapters.py``, ``conv_adapters.py``; conventions per
-family in docs/delta.md):
+(``integrations/recurrent_adapters.py``, ``delta_adapters.py``, ``conv_adapters.py``, the Mamba mixers in
+``mamba_adapters.py``; conventions per family in docs/delta.md):
 
     class (transformers 5.x)                               what runs under SP
     MiniMaxLightningAttention                              linear attention, decay per head (All-Scan)
@@ -16,10 +16,13 @@ family in docs/delta.md):
     OlmoHybridGatedDeltaNet                                conv1d halo + gated delta rule, β ∈ [0, 2]
     KimiLinearDeltaAttention (Kimi Delta Attention)        conv1d halo + delta rule with per-channel decay
     BailingHybridDeltaAttention                            conv1d halo + KDA (delta_adapters.py)
-    NemotronHMamba2Mixer, BambaMixer,                      conv1d halo + Mamba2 SSD (decay per token and head)
-    GraniteMoeHybridMambaLayer, Zamba2MambaMixer
     ZayaCCAProjection (ZAYA's q/k/v projection)            halo of the q/k convolutions + one-token value shift
     Lfm2ShortConv, Lfm2MoeShortConv, Lfm3ShortConv         gated short conv: conv1d halo only (conv_adapters.py)
+    NemotronHMamba2Mixer, BambaMixer,                      conv1d halo + Mamba2 SSD (decay per token and head;
+    GraniteMoeHybridMambaLayer, Zamba2MambaMixer,          heads < U split along head_dim)
+    Mamba2Mixer, FalconH1Mixer (muP multipliers)
+    MambaMixer, FalconMambaMixer, JambaMambaMixer          conv1d halo + Mamba v1 selective scan (one head per
+    (dt / B / C norms), ZambaMambaMixer (per-head B, C)    channel, decay per token and state index)
 
 A family is one entry: ``register_recurrent_layer(cls, forward)``. Built-in entries are resolved only
 when their transformers module is already imported (no model module is imported to look one up).
@@ -36,6 +39,7 @@ from collections.abc import Callable
 import torch
 
 from ds_seqpar.integrations import conv_adapters, delta_adapters
+from ds_seqpar.integrations import mamba_adapters as mamba
 from ds_seqpar.integrations import recurrent_adapters as adapters
 from ds_seqpar.integrations.conv_projection_adapters import zaya_cca_forward
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
@@ -56,12 +60,21 @@ BUILTIN_ADAPTERS: dict[tuple[str, str], Callable] = {
         "transformers.models.kimi_linear.modeling_kimi_linear",
         "KimiLinearDeltaAttention",
     ): adapters.kda_forward,
-    ("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer"): adapters.mamba2_forward,
-    ("transformers.models.bamba.modeling_bamba", "BambaMixer"): adapters.mamba2_forward,
+    ("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer"): mamba.mamba2_forward,
+    ("transformers.models.bamba.modeling_bamba", "BambaMixer"): mamba.mamba2_forward,
     ("transformers.models.granitemoehybrid.modeling_granitemoehybrid", "GraniteMoeHybridMambaLayer"): (
-        adapters.mamba2_forward
+        mamba.mamba2_forward
     ),
-    ("transformers.models.zamba2.modeling_zamba2", "Zamba2MambaMixer"): adapters.mamba2_forward,
+    ("transformers.models.zamba2.modeling_zamba2", "Zamba2MambaMixer"): mamba.mamba2_forward,
+    ("transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer"): mamba.mamba2_forward,
+    ("transformers.models.falcon_h1.modeling_falcon_h1", "FalconH1Mixer"): mamba.falcon_h1_forward,
+    ("transformers.models.mamba.modeling_mamba", "MambaMixer"): mamba.mamba_forward,
+    (
+        "transformers.models.falcon_mamba.modeling_falcon_mamba",
+        "FalconMambaMixer",
+    ): mamba.normed_mamba_forward,
+    ("transformers.models.jamba.modeling_jamba", "JambaMambaMixer"): mamba.normed_mamba_forward,
+    ("transformers.models.zamba.modeling_zamba", "ZambaMambaMixer"): mamba.zamba_forward,
     (
         "transformers.models.lara_mini.modeling_lara_mini",
         "LaraMiniGatedDeltaNet",

@@ -30,10 +30,11 @@ FEATURE_MODELS = {
 
 # bidirectional encoders with a masked-LM head
 ENCODER_MODELS = ("modernbert", "bert")
-# hybrids whose recurrent layers ds_seqpar routes (GDN, KDA, Mamba2, short convs, ZAYA's convolved projections),
-# built by benchmarks/tiny_configs.py
+# models whose recurrent layers ds_seqpar routes (GDN, KDA, Mamba2, Mamba v1, short convs, ZAYA's convolved
+# projections), built by benchmarks/tiny_configs.py
 HYBRID_MODELS = ("qwen3_next", "qwen3_5", "kimi_linear", "nemotron_h", "bamba", "granitemoehybrid", "zamba2",
-                 "olmo_hybrid", "bailing_hybrid", "lara_mini", "lfm2", "lfm2_moe", "lfm3", "zaya")  # fmt: skip
+                 "olmo_hybrid", "bailing_hybrid", "lara_mini", "lfm2", "lfm2_moe", "lfm3", "zaya",
+                 "mamba", "falcon_mamba", "jamba", "zamba", "mamba2", "falcon_h1")  # fmt: skip
 MASK_ID = 4  # the tiny encoders' mask token
 
 
@@ -123,7 +124,13 @@ def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
     if kind in HYBRID_MODELS:
         from benchmarks.tiny_configs import build_tiny_model
 
-        return build_tiny_model(kind, seed=seed)
+        model = build_tiny_model(kind, seed=seed)
+        if overrides:  # fields of the tiny hybrid's config (Falcon-H1's multipliers, Mamba's dt range)
+            model.config.update(overrides)
+            torch.manual_seed(seed)
+            model = type(model)(model.config).float().train()
+            model.set_attn_implementation("sdpa" if model._supports_sdpa else "eager")
+        return model
     if kind == "whisper":
         return tiny_whisper(seed)
     import transformers
