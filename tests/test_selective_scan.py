@@ -146,3 +146,30 @@ def _cases(p: int) -> list[ScanCase]:
 def test_selective_scan_matches_sequential_recurrence(dist_pool, p):
     cases = _cases(p)
     _check(cases, dist_pool(p).run(run_selective_cases, cases), p)
+
+
+def run_refusals(sections: list[dict]) -> list[str]:
+    """Inputs the scan cannot split raise on every rank before any collective (the pool stays usable)."""
+    messages = []
+    for section in sections:
+        mesh = mesh_for(section)
+        x = torch.randn(1, 8, 1, dtype=torch.float64)  # one channel
+        b = torch.randn(1, 8, 1, N, dtype=torch.float64)
+        try:
+            selective_scan(x, x.abs(), -torch.ones(1, N, dtype=torch.float64), b, b, mesh=mesh)
+        except Exception as exc:  # the message is what is checked
+            messages.append(f"{type(exc).__name__}: {exc}")
+        else:
+            messages.append("no error")
+    dist.barrier()
+    return messages
+
+
+def test_what_cannot_be_split_is_refused_before_communication(dist_pool):
+    sections = [
+        {"size": 2, "ulysses_degree": 2, "ring": {"layout": "contiguous"}},
+        {"size": 2, "ulysses_degree": 1, "ring": {"layout": "stripe", "granularity": 2}},
+    ]
+    for messages in dist_pool(2).run(run_refusals, sections):
+        assert "Mamba selective-scan layer (its channels are the heads) has H=1 heads" in messages[0]
+        assert "layout='stripe' is not supported" in messages[1]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from ds_seqpar.comm.all_to_all import HeadPlan, head_to_seq
+from ds_seqpar.comm.scan import chain_owners
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.parallel.agree import check_same_inputs
 from ds_seqpar.parallel.linear_scan import (
@@ -75,7 +76,9 @@ def selective_scan(
     _check_selective(x, dt, a, b, c)
     bsz, n, d = x.shape
     groups, state = b.shape[2], a.shape[1]
-    input_layout(mesh).check_length(n * input_layout(mesh).world)
+    layout = input_layout(mesh)
+    layout.check_length(n * layout.world)
+    chain_owners(layout.ring)  # the ring layout must have a scan order: checked before any collective
     check_heads(d, mesh, "a Mamba selective-scan layer (its channels are the heads)")
     u = mesh.ulysses_size
     check_same_inputs(
