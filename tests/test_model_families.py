@@ -4,8 +4,9 @@ The default suite runs a fixed subset that covers every mechanism ds_seqpar hono
 plain attention, attention soft-capping and a final logit soft-cap, logit divisors and scales,
 attention sinks, sliding windows, per-layer attention types, parallel blocks, MoE routing, a
 composite (multimodal) model on text, MLA head dims, nested decoders, layers that do not forward
-their keyword arguments, routed recurrent layers (gated DeltaNet, KDA, Mamba2); and every kind of
-refusal: Mamba (v1) layers, convolutions, positions derived outside ``position_ids``, another loss
+their keyword arguments, routed recurrent layers (gated DeltaNet, KDA, Mamba2), positions a family derives
+from the token ids (a position rule); and every kind of refusal: Mamba (v1) layers, convolutions, token
+mixing outside the attention (the probe names the module), attention computed inline, another loss
 convention, chunked attention, a window that only lives in a mask. The slow suite
 runs ``benchmarks/model_sweep.py`` over every causal-LM type of the installed transformers.
 """
@@ -38,7 +39,9 @@ EXPECTED = {
     "nemotron_h": "exact",  # Mamba2 mixers, MLP-only layers
     "jamba": "refused",  # Mamba (v1) layers
     "zaya": "refused",  # a causal Conv1d inside the attention's projections
-    "roberta": "refused",  # positions derived from padding (probe: a shard differs from the whole)
+    "roberta": "exact",  # as a decoder: positions from the token ids (padding offset), a position rule
+    "blt": "refused",  # hashed byte n-grams of the preceding tokens (probe: the first diverging module)
+    "openai-gpt": "refused",  # attention computed inline, not through transformers' attention interface
     "whisper": "refused",  # its loss does not shift the labels
     "llama4": "refused",  # chunked attention (a mask ds_seqpar does not receive)
     "phimoe": "refused",  # sliding window only in the mask, never passed to the attention
