@@ -48,7 +48,7 @@ class ProbeTrace:
             return
         run = self.runs[-1]
         calls = sum(1 for key in run if key[0] == name)
-        run[(name, calls)] = t.detach()
+        run[(name, calls)] = t.detach().clone()  # a later in-place update must not change it
 
     def remove(self) -> None:
         for hook in self.hooks:
