@@ -5,15 +5,18 @@ The probe names what it cannot honour (the first diverging module; attention com
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from benchmarks.tiny_configs import build_tiny_model
-from ds_seqpar import SeqParCausalLM, shard_batch
+from ds_seqpar import SeqParCausalLM, SeqParMaskedLM, shard_batch
 from ds_seqpar.integrations import positions
 from ds_seqpar.integrations.hf_model import UnsupportedModelError, check_token_locality, decoder_of
-from tests.helpers.hf_ab import deepspeed_ab, sp_mesh, sp_vs_reference
-from tests.helpers.hf_models import batches, tiny_model
+from tests.helpers.hf_ab import deepspeed_ab, rel_err, sp_mesh, sp_vs_reference
+from tests.helpers.hf_models import batches, masked_batches, reference_loss, tiny_model
 
 PAD = 1  # the tiny RoBERTa's pad token (= padding_idx)
 
@@ -56,12 +59,38 @@ def test_probe_names_the_first_diverging_module(monkeypatch):
         check_token_locality(gpt, decoder_of(gpt))
 
 
+def masked_roberta_case() -> dict:
+    """RobertaForMaskedLM (bidirectional) under SeqParMaskedLM, U 2 x R 2, 61 tokens (3 of end padding)."""
+    import transformers
+
+    cfg = transformers.RobertaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=512, pad_token_id=PAD, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = transformers.RobertaForMaskedLM(cfg).float()
+    ref.set_attn_implementation("sdpa")
+    model, batch = copy.deepcopy(ref), masked_batches(1, 2, 61, seed=5)[0]
+    ref_loss = reference_loss(ref, batch)
+    ref_loss.backward()
+    mesh = sp_mesh(2)
+    loss = SeqParMaskedLM(model, mesh)(**shard_batch(batch, mesh, objective="masked"))
+    loss.backward()
+    worst = 0.0
+    for p, p_ref in zip(model.parameters(), ref.parameters(), strict=True):
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(grad, group=mesh.group("sp"))
+        worst = max(worst, 0.0 if p_ref.grad is None else rel_err(grad, p_ref.grad, 1e-4))
+    return {"loss_err": abs(loss.item() - ref_loss.item()) / ref_loss.item(), "grad_rel_err": worst}
+
+
 def padded_and_packed_cases() -> list:
-    """U 2 x R 2 and R 4 on right- and left-padded rows; a packed row is refused by name."""
+    """U 2 x R 2 and R 4 on right- and left-padded rows, the masked-LM encoder; a packed row is refused by name."""
     out = [
         sp_vs_reference("roberta", u, "zigzag", padded_batch(left))
         for u, left in ((2, False), (2, True), (1, True))
     ]
+    out.append(masked_roberta_case())
     lm = SeqParCausalLM(tiny_model("roberta"), sp_mesh(2))
     packed = {
         "input_ids": torch.arange(3, 67)[None],

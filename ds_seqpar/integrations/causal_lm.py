@@ -370,7 +370,8 @@ class SeqParMaskedLM(SeqParCausalLM):
     (``|i - j| < window``, ModernBERT's local layers), packed documents separated by ``doc_ids``.
 
     Args: as ``SeqParCausalLM``; ``model`` is a HuggingFace ``*ForMaskedLM`` (ModernBERT, BERT, ...)
-        whose positions come from ``position_ids`` (RoBERTa-style padding-offset positions are refused).
+        whose positions come from ``position_ids`` or a position rule (``positions.py``: RoBERTa's padding
+        offset, run on the whole row; packed documents are refused for those).
     """
 
     objective = "masked"
