@@ -5,9 +5,10 @@ plain attention, attention soft-capping and a final logit soft-cap, logit diviso
 attention sinks, sliding windows, per-layer attention types, parallel blocks, MoE routing, a
 composite (multimodal) model on text, MLA head dims, nested decoders, layers that do not forward
 their keyword arguments, routed recurrent layers (gated DeltaNet, KDA, Mamba2, Mamba v1, short
-convolutions); and every kind of refusal: a recurrent layer kind without an adapter, positions derived
-outside ``position_ids``, another loss convention, indexed (QSA) attention, Doge's dynamic mask. Chunked
-attention (Llama 4) is exact. The slow suite
+convolutions), positions a family derives from the token ids (a position rule), chunked attention (Llama 4);
+and every kind of refusal: a recurrent layer kind without an adapter, token mixing outside the attention
+(the probe names the module), attention computed inline, another loss convention, indexed (QSA)
+attention, Doge's dynamic mask. The slow suite
 runs ``benchmarks/model_sweep.py`` over every causal-LM type of the installed transformers.
 """
 
@@ -48,7 +49,9 @@ EXPECTED = {
     "falcon_h1": "exact",  # Mamba2 + attention in parallel, muP multipliers
     "zamba2": "exact",  # one Mamba2 head < U = 2: split along head_dim
     "recurrent_gemma": "refused",  # a recurrent layer kind no adapter covers (RG-LRU)
-    "roberta": "refused",  # positions derived from padding (probe: a shard differs from the whole)
+    "roberta": "exact",  # as a decoder: positions from the token ids (padding offset), a position rule
+    "blt": "refused",  # hashed byte n-grams of the preceding tokens (probe: the first diverging module)
+    "openai-gpt": "refused",  # attention computed inline, not through transformers' attention interface
     "whisper": "refused",  # its loss does not shift the labels
     "llama4": "exact",  # chunked attention (documents cut at chunk borders), NoPE layers' query temperature
     "phimoe": "exact",  # sliding window only in the mask: read from the config (WINDOW_FROM_CONFIG)

@@ -25,6 +25,7 @@ from ds_seqpar.integrations.hf_model import (
     refuse_unhonoured_features,
     unwrap_hf_model,
 )
+from ds_seqpar.integrations.positions import PositionFn, PositionRule, model_position_ids, position_rule_of
 from ds_seqpar.integrations.recurrent_layers import has_recurrent_layers, refuse_recurrent_layers
 from ds_seqpar.integrations.routing import enable_sequence_parallel
 from ds_seqpar.loss import sp_causal_lm_loss
@@ -41,8 +42,9 @@ SHARD_EXTRAS = ("seq_len",)  # what shard_batch adds besides the model inputs
 @dataclass(frozen=True)
 class _ModelParts:
     """The HF model inside a (PEFT) wrapper, its decoder, its logits, which decoder layer each
-    submodule belongs to (``layer_of``, over ``num_layers`` layers) and the sliding window and attention
-    chunk its config promises (``window``, ``chunk``); kept out of the module tree."""
+    submodule belongs to (``layer_of``, over ``num_layers`` layers), the sliding window and attention chunk
+    its config promises (``window``, ``chunk``) and its position rule (``positions``, ``positions.py``); kept
+    out of the module tree."""
 
     hf: torch.nn.Module
     decoder: torch.nn.Module
@@ -50,7 +52,8 @@ class _ModelParts:
     layer_of: dict[int, int]
     num_layers: int | None
     window: int | None
-    chunk: int | None = None
+    chunk: int | None
+    positions: tuple[PositionRule, PositionFn] | None
 
 
 def _decoder_layers(
@@ -117,6 +120,7 @@ class SeqParCausalLM(torch.nn.Module):
             num_layers,
             expected_window(hf),
             expected_chunk(hf),
+            position_rule_of(decoder),
         )
         self.mesh = mesh
         self.memory = enable_memory_savings(hf, decoder, layers, mesh.settings.memory, mesh.group("sp_dp"))
@@ -141,6 +145,7 @@ class SeqParCausalLM(torch.nn.Module):
         """Final hidden states ``[B, n, E]`` of this rank's tokens (every layer's attention over the group).
         ``ctx``: a context made by a subclass (``_context``); ``decoder_inputs``: more inputs of the decoder."""
         self._check_positions(input_ids, position_ids, doc_ids)
+        position_ids = self._model_positions(input_ids, position_ids, doc_ids)
         parts = self._parts
         if self.memory.plan is not None:
             zero3 = any(hasattr(p, "ds_id") for p in itertools.islice(parts.decoder.parameters(), 1))
@@ -233,6 +238,34 @@ class SeqParCausalLM(torch.nn.Module):
                 f"{got[:4].tolist()}..., expected {expected[:4].tolist()}... (layout {layout.ring.name}); local "
                 "positions 0..n-1 would give every rank the same RoPE. Pass the batch from ds_seqpar.shard_batch"
             )
+
+    def _model_positions(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The position ids ``[B, n]`` the decoder gets: the global ones, or, for a family with a position rule
+        (``positions.py``), the family's own position ids of the whole rows, this rank's part (one all-gather
+        of the token ids). Packed documents and grouped layouts are refused first, identically on every rank."""
+        found = self._parts.positions
+        if found is None:
+            return position_ids
+        rule, fn = found
+        name = type(self._parts.hf).__name__
+        if doc_ids is not None and int(doc_ids.max()) > 0:
+            raise UnsupportedModelError(
+                f"{name} derives its position ids from the token ids ({rule.summary}); with packed documents "
+                "(position_ids restarting) the plain model would take the given position_ids as they are, so no "
+                "numbering is exact for both: train it on one document per row (padding through attention_mask)"
+            )
+        if self.mesh.sp_size == 1:
+            return fn(input_ids.long())
+        layout = input_layout(self.mesh, doc_ids)
+        if layout.group_degree is not None or layout.world != self.mesh.sp_size:
+            raise UnsupportedModelError(
+                f"{name} derives its position ids from the whole row ({rule.summary}), which ds_seqpar gathers over "
+                f"the SP group; the batch's layout runs in groups of {layout.group_degree} ranks "
+                "(sequence_parallel.dynamic_degree): switch dynamic_degree off for this model"
+            )
+        return model_position_ids(fn, input_ids, self.mesh.coords.sp_rank, layout, self.mesh.group("sp"))
 
     def _refuse_masks(self, extra: dict[str, Any]) -> None:
         """Only what ``shard_batch`` produces; any other input the model would use is refused by name."""
@@ -348,7 +381,8 @@ class SeqParMaskedLM(SeqParCausalLM):
     (``|i - j| < window``, ModernBERT's local layers), packed documents separated by ``doc_ids``.
 
     Args: as ``SeqParCausalLM``; ``model`` is a HuggingFace ``*ForMaskedLM`` (ModernBERT, BERT, ...)
-        whose positions come from ``position_ids`` (RoBERTa-style padding-offset positions are refused).
+        whose positions come from ``position_ids`` or a position rule (``positions.py``: RoBERTa's padding
+        offset, run on the whole row; packed documents are refused for those).
     """
 
     objective = "masked"

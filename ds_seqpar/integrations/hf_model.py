@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+from ds_seqpar.integrations.positions import position_rule_of
+from ds_seqpar.integrations.probe_trace import ProbeTrace
+
 
 class UnsupportedModelError(ValueError, TypeError, RuntimeError):
     """A model (family) feature that ds_seqpar cannot honour under sequence parallelism; the message
@@ -164,10 +167,14 @@ PROBE_TOKENS = 8
 PROBE_ENCODER_TOKENS = 3  # encoder states of the probe of an encoder-decoder: neither 8 nor 4 tokens
 
 
+PROBE_CALLS: list[int] = [0]  # calls of the probe attention during the current probe
+
+
 def _token_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
     """A probe attention in which every token attends only to itself: out = its value ``[B, S, H, D_v]``;
     a cross-attention (keys of the probe's encoder states) gives zeros."""
+    PROBE_CALLS[0] += 1
     if key.shape[2] != query.shape[2]:
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
     group = query.shape[1] // value.shape[1]
@@ -182,9 +189,9 @@ def check_token_locality(
 
     With an attention in which each token sees only itself, the decoder runs on 8 probe tokens with
     its default positions, and on their last 4 with ``position_ids = 4..7`` (what a rank holding that
-    shard passes); the outputs of those 4 tokens must agree. They do not when the family derives
-    positions itself (RoBERTa's padding offset, learned positions that ignore ``position_ids``) or mixes
-    tokens outside the attention (a convolution, a token shift): refused by name. The model's own
+    shard passes; a family with a position rule, ``positions.py``, gets its own position ids of the 8); the
+    outputs of those 4 tokens must agree. Otherwise the first module that differs is named
+    (``probe_trace.py``); no call of the probe attention (attention computed inline) refuses too. The model's own
     loss on the probe must also be the next-token cross-entropy of its logits (Whisper's decoder, for
     one, does not shift its labels), or for ``objective="masked"`` the cross-entropy of each token's
     logits against its own label (a masked-LM head).
@@ -208,15 +215,8 @@ def check_token_locality(
         conv.register_forward_pre_hook(lambda *_, name=name: called.append(name))
         for name, conv in convs.items()
     ]
-    special: set[int] = set()
-    for config in text_configs(model):
-        for t in ("pad", "bos", "eos"):
-            value = getattr(config, f"{t}_token_id", None)
-            special.update(value if isinstance(value, list | tuple) else [value])
-    vocab = getattr(model.get_input_embeddings(), "num_embeddings", 64)
-    tokens = [t for t in range(3, min(vocab, 64)) if t not in special][:PROBE_TOKENS]
-    ids = torch.tensor([tokens], device=params[0].device)
-    half = len(tokens) // 2
+    ids = _probe_ids(model, params[0].device)
+    tokens, half = ids[0].tolist(), ids.shape[1] // 2
     extra: dict[str, Any] = {}
     if encoder_states:
         width = getattr(decoder.config, "d_model", None) or decoder.config.hidden_size
@@ -225,11 +225,15 @@ def check_token_locality(
     original, was_training = model.config._attn_implementation, model.training
     model.set_attn_implementation(PROBE_ATTENTION)
     model.eval()
+    trace, PROBE_CALLS[0] = ProbeTrace(decoder), 0
     try:
         with torch.no_grad():
+            trace.next_run()
             whole = decoder(input_ids=ids, use_cache=False, **extra)[0][:, half:]
-            positions = torch.arange(half, len(tokens), device=ids.device)[None]
-            shard = decoder(input_ids=ids[:, half:], position_ids=positions, use_cache=False, **extra)[0]
+            trace.next_run()
+            shard = decoder(input_ids=ids[:, half:], position_ids=_probe_positions(decoder, ids, half),
+                            use_cache=False, **extra)[0]  # fmt: skip
+            trace.runs.append({})  # the model-level run below is not compared
             out = None if encoder_states else model(input_ids=ids, labels=ids, use_cache=False)
     except Exception as exc:
         raise UnsupportedModelError(
@@ -241,18 +245,73 @@ def check_token_locality(
         model.train(was_training)
         for hook in hooks:
             hook.remove()
+        trace.remove()
+    _refuse_inline_attention(model, decoder, len(tokens))
     if called:  # a convolution on the text path (a media encoder's is never called on text)
         _refuse_conv(model, decoder, called[0], convs[called[0]])
     tol = 1e-4 if whole.dtype in (torch.float32, torch.float64) else 5e-2
     _check_own_loss(model, out, ids, tol, objective)
     err = ((whole.double() - shard.double()).norm() / whole.double().norm().clamp(min=1e-30)).item()
     if not err <= tol:
+        _refuse_divergence(model, decoder, trace, half, tol, convs)
         raise UnsupportedModelError(
             f"{type(model).__name__} treats a token differently in a shard of the sequence than in the whole "
             f"sequence, outside the attention (relative difference {err:.1e} with position_ids given): it derives "
             "positions itself (e.g. RoBERTa's padding offset, learned positions that ignore position_ids) or mixes "
             "tokens outside the attention (a convolution, a token shift); it cannot run under ds_seqpar"
         )
+
+
+def _probe_ids(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
+    """``[1, 8]`` probe token ids: ids from 3 on that are no pad / bos / eos token of the model."""
+    special: set[int] = set()
+    for config in text_configs(model):
+        for t in ("pad", "bos", "eos"):
+            value = getattr(config, f"{t}_token_id", None)
+            special.update(value if isinstance(value, list | tuple) else [value])
+    vocab = getattr(model.get_input_embeddings(), "num_embeddings", 64)
+    tokens = [t for t in range(3, min(vocab, 64)) if t not in special][:PROBE_TOKENS]
+    return torch.tensor([tokens], device=device)
+
+
+def _probe_positions(decoder: torch.nn.Module, ids: torch.Tensor, half: int) -> torch.Tensor:
+    """The shard's position ids ``[1, 4]``: its global positions, or, for a family with a position rule
+    (``positions.py``), the family's own position ids of the whole probe row from ``half`` on."""
+    found = position_rule_of(decoder)
+    if found is None:
+        return torch.arange(half, ids.shape[1], device=ids.device)[None]
+    return found[1](ids)[:, half:]
+
+
+def _refuse_inline_attention(model: torch.nn.Module, decoder: torch.nn.Module, tokens: int) -> None:
+    """No call of the probe attention: the decoder mixes tokens without transformers' attention interface."""
+    if PROBE_CALLS[0] == 0:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: no layer of {type(decoder).__name__} called transformers' attention interface "
+            f"on a probe of {tokens} tokens: it computes its token mixing inline (the class does not support "
+            "setting its attention implementation), so ds_seqpar cannot split it over the sequence; this model "
+            "cannot run under ds_seqpar"
+        )
+
+
+def _refuse_divergence(
+    model: torch.nn.Module, decoder: torch.nn.Module, trace: ProbeTrace, half: int, tol: float, convs: dict
+) -> None:
+    """Name the first module whose output for the shard's tokens differs (``probe_trace.py``); a sequence
+    ``Conv1d`` inside it (applied through its weights, never called) is named as the convolution."""
+    where = trace.first_divergence(half, tol)
+    if where is None:
+        return
+    name, module, what = where
+    for conv_name, conv in convs.items():
+        if conv_name == name or conv_name.startswith(name + "."):
+            _refuse_conv(model, decoder, conv_name, conv)
+    raise UnsupportedModelError(
+        f"{type(model).__name__} treats a token differently in a shard of the sequence than in the whole sequence, "
+        f"outside the attention: {type(decoder).__name__}.{name} ({type(module).__name__}) is the first module that "
+        f"does ({what}, with the shard's global position_ids given); it derives positions or mixes tokens itself, "
+        "which ds_seqpar does not split over the sequence; this model cannot run under ds_seqpar"
+    )
 
 
 def _sequence_convs(decoder: torch.nn.Module) -> dict[str, torch.nn.Conv1d]:

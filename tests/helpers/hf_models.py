@@ -36,6 +36,9 @@ HYBRID_MODELS = ("qwen3_next", "qwen3_5", "kimi_linear", "nemotron_h", "bamba", 
                  "olmo_hybrid", "bailing_hybrid", "lara_mini", "lfm2", "lfm2_moe", "lfm3", "zaya",
                  "mamba", "falcon_mamba", "jamba", "zamba", "mamba2", "falcon_h1")  # fmt: skip
 MASK_ID = 4  # the tiny encoders' mask token
+# BERT-style decoders (is_decoder=True) whose positions come from a position rule (ds_seqpar/integrations/
+# positions.py: RoBERTa's padding offset; pad token 1), built by benchmarks/tiny_configs.py
+BERT_DECODERS = ("roberta",)
 
 
 def tiny_encoder(kind: str, seed: int = 0) -> torch.nn.Module:
@@ -118,10 +121,10 @@ def masked_batches(
 def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
     """A float32 causal LM: ``llama``, ``mistral`` (sliding window), ``qwen3`` (H=8, H_kv=2), ``qwen3_moe``, or one of
     :data:`FEATURE_MODELS` (Gemma 2 soft-caps, Granite logit divisor, Cohere logit scale, gpt-oss sinks); one of
-    :data:`ENCODER_MODELS` gives :func:`tiny_encoder`, one of :data:`HYBRID_MODELS` the sweep's tiny hybrid."""
+    :data:`ENCODER_MODELS` gives :func:`tiny_encoder`, one of :data:`HYBRID_MODELS` (or :data:`BERT_DECODERS`) the sweep's tiny model."""
     if kind in ENCODER_MODELS:
         return tiny_encoder(kind, seed)
-    if kind in HYBRID_MODELS:
+    if kind in HYBRID_MODELS or kind in BERT_DECODERS:
         from benchmarks.tiny_configs import build_tiny_model
 
         model = build_tiny_model(kind, seed=seed)
