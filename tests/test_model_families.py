@@ -4,9 +4,9 @@ The default suite runs a fixed subset that covers every mechanism ds_seqpar hono
 plain attention, attention soft-capping and a final logit soft-cap, logit divisors and scales,
 attention sinks, sliding windows, per-layer attention types, parallel blocks, MoE routing, a
 composite (multimodal) model on text, MLA head dims, nested decoders, layers that do not forward
-their keyword arguments, routed recurrent layers (gated DeltaNet, KDA, Mamba2); and every kind of
-refusal: Mamba (v1) layers, convolutions, positions derived outside ``position_ids``, another loss
-convention, chunked attention, a window that only lives in a mask. The slow suite
+their keyword arguments, routed recurrent layers (gated DeltaNet, KDA, Mamba2), routed ALiBi attentions;
+and every kind of refusal: Mamba (v1) layers, convolutions, positions derived outside ``position_ids``,
+another loss convention, chunked attention, a window that only lives in a mask, a learned score bias. The slow suite
 runs ``benchmarks/model_sweep.py`` over every causal-LM type of the installed transformers.
 """
 
@@ -36,12 +36,15 @@ EXPECTED = {
     "qwen3_next": "exact",  # gated DeltaNet layers (conv1d halo + matrix All-Scan), MoE
     "kimi_linear": "exact",  # Kimi Delta Attention: per-channel decay
     "nemotron_h": "exact",  # Mamba2 mixers, MLP-only layers
+    "bloom": "exact",  # ALiBi: an attention that computes scores itself, routed (integrations/attention_layers.py)
+    "mpt": "exact",  # ALiBi from a bias table over max_seq_len
     "jamba": "refused",  # Mamba (v1) layers
     "zaya": "refused",  # a causal Conv1d inside the attention's projections
     "roberta": "refused",  # positions derived from padding (probe: a shard differs from the whole)
     "whisper": "refused",  # its loss does not shift the labels
     "llama4": "refused",  # chunked attention (a mask ds_seqpar does not receive)
     "phimoe": "refused",  # sliding window only in the mask, never passed to the attention
+    "inkling2_text": "refused",  # position_bias: a learned relative bias conditioned on each query's states
 }
 
 
