@@ -80,3 +80,18 @@ def test_mpt_bias_table_must_be_alibi():
     assert torch.equal(_mpt_slopes("m", table), slopes)
     with pytest.raises(UnsupportedModelError, match="not a per-head linear"):
         _mpt_slopes("m", table + torch.rand(2, 1, 8))
+
+
+def test_falcon_alibi_in_its_mask_is_refused_by_name():
+    import transformers
+
+    from benchmarks.tiny_configs import tiny_config
+    from ds_seqpar.integrations.attention_layers import refuse_unrouted_alibi
+
+    config = tiny_config("falcon")
+    refuse_unrouted_alibi(
+        transformers.AutoModelForCausalLM.from_config(config)
+    )  # rotary: runs (the sweep: exact)
+    config.alibi = True
+    with pytest.raises(UnsupportedModelError, match=r"config.alibi=True adds ALiBi to the attention mask"):
+        refuse_unrouted_alibi(transformers.AutoModelForCausalLM.from_config(config))

@@ -29,6 +29,7 @@ import torch
 
 from ds_seqpar.integrations import alibi_adapters as adapters
 from ds_seqpar.integrations.hf_attention import ATTN_IMPLEMENTATION
+from ds_seqpar.integrations.hf_model import UnsupportedModelError, text_configs
 
 BUILTIN_ADAPTERS: dict[tuple[str, str], Callable] = {
     ("transformers.models.bloom.modeling_bloom", "BloomAttention"): adapters.bloom_forward,
@@ -52,6 +53,21 @@ def _adapter_for(module: torch.nn.Module) -> Callable | None:
         if cls is not None and cls not in REGISTRY:
             REGISTRY[cls] = forward
     return next((REGISTRY[c] for c in type(module).__mro__ if c in REGISTRY), None)
+
+
+def refuse_unrouted_alibi(model: torch.nn.Module) -> None:
+    """``config.alibi=True`` on a model none of whose layers this registry routes (Falcon's ALiBi variant):
+    the family folds the bias into the attention mask it builds, which ds_seqpar does not receive; refused
+    by name (before any collective)."""
+    if not any(getattr(c, "alibi", False) is True for c in text_configs(model)):
+        return
+    if not any(_adapter_for(m) is not None for m in model.modules()):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: config.alibi=True adds ALiBi to the attention mask the model builds (Falcon: "
+            "bf16(slope) · key position rounded to bfloat16, not linear in the position past 256 tokens), which "
+            "ds_seqpar does not receive and cannot reproduce from global positions; this model cannot run under "
+            "ds_seqpar (models with alibi=False, rotary positions, can)"
+        )
 
 
 def route_attention_layers(model: torch.nn.Module, implementation: str = ATTN_IMPLEMENTATION) -> int:

@@ -13,7 +13,11 @@ from typing import Any
 import torch
 
 from ds_seqpar.data import check_objective
-from ds_seqpar.integrations.attention_layers import route_attention_layers, unroute_attention_layers
+from ds_seqpar.integrations.attention_layers import (
+    refuse_unrouted_alibi,
+    route_attention_layers,
+    unroute_attention_layers,
+)
 from ds_seqpar.integrations.context import ACTIVE_CONTEXT, CONTEXT_KEY, SeqParContext
 from ds_seqpar.integrations.hf_attention import FEED_FORWARD_LAYER_TYPES
 from ds_seqpar.integrations.hf_model import (
@@ -104,6 +108,7 @@ class SeqParCausalLM(torch.nn.Module):
         decoder = decoder_of(hf)
         refuse_unhonoured_features(hf)
         refuse_recurrent_layers(hf)
+        refuse_unrouted_alibi(hf)
         if getattr(hf, "_ds_seqpar_original_attn", None) is None and not has_recurrent_layers(hf):
             # one process, before the attention is switched; on the routed attention layers (ALiBi families)
             route_attention_layers(hf, PROBE_ATTENTION)
