@@ -150,6 +150,9 @@ def _alibi_cases(p: int) -> list[AttentionCase]:
         replace(ring, layout="contiguous", causal=False, window=9),
         replace(ring, cu_seqlens=(0, 5, s // 2 + 3, s - 2)),  # packed documents, padding
         replace(ring, layout="documents", cu_seqlens=(0, 3, s // 2 + 1, s - 5)),
+        replace(
+            ring, attention="usp", layout="documents", dynamic=True, cu_seqlens=tuple(range(0, s + 1, 8))
+        ),
         replace(ring, schedule="all_gather", layout="stripe", dtype=torch.float32, seq_len=min(s, 64)),
     ]
     if p % 2 == 0:  # U x R

@@ -73,10 +73,10 @@ class AttentionKernel:
     backward: BackwardFn
     unavailable: Callable[[torch.device, torch.dtype], str | None]
     softcap: bool = False
-    alibi: bool = False
     varlen: Varlen | None = None
     band: Band | None = None
     summary: str = ""
+    alibi: bool = False  # last: positional construction of the fields above stays as it was
 
 
 @dataclass(frozen=True)
