@@ -3,8 +3,9 @@
 Kernels (one registry, ``ops/backends.py``; registration order is the ``auto`` order, fastest exact first):
     flash_attn  flash-attn on CUDA for fp16/bf16 (``flash.py``): FULL and square causal blocks through its
                 own block functions (softcap natively), packed documents through its varlen pair,
-                sliding-window bands through ``window_size``; other blocks on cuda_sdpa (torch with a softcap)
-    cuda_sdpa   PyTorch's fused CUDA ops (``cuda_sdpa.py``); no softcap, no ALiBi
+                sliding-window bands through ``window_size``; other blocks, and every ALiBi block, on cuda_sdpa
+                (torch with a softcap)
+    cuda_sdpa   PyTorch's fused CUDA ops (``cuda_sdpa.py``); no softcap; ALiBi (float32 efficient op)
     sdpa        PyTorch's CPU flash op (``cpu_sdpa.py``); no softcap; ALiBi
     torch       pure PyTorch, chunked (``torch_kernel.py``); the reference; softcap; ALiBi
     auto        the first available (with a softcap / ALiBi: the first that applies it)
