@@ -135,7 +135,8 @@ def _moe_aux_loss():
 
 
 CASES: dict[str, tuple[Callable[[], object], str]] = {
-    "attention_keyword_from_the_model": (lambda: _decoder_keyword(position_bias=torch.zeros(1, 4, 16, 16)), r"LlamaAttention \(layer 0\) passed position_bias=<tensor \(1, 4, 16, 16\).*honours dropout, scaling, sliding_window, softcap, s_aux, is_causal"),
+    "attention_keyword_from_the_model": (lambda: _decoder_keyword(relative_bias=torch.zeros(1, 4, 16, 16)), r"LlamaAttention \(layer 0\) passed relative_bias=<tensor \(1, 4, 16, 16\).*honours dropout, scaling, sliding_window, softcap, s_aux, alibi_slopes, is_causal"),
+    "attention_position_bias": (lambda: _decoder_keyword(position_bias=torch.zeros(1, 4, 16, 16)), r"passed position_bias=<tensor \(1, 4, 16, 16\).*: an additive \[B, H, S, S\] score bias.*return its gradient"),
     "attention_keyword_varlen": (lambda: _attention_call(cu_seq_lens_q=torch.tensor([0, 8])), r"\(layer 3\) passed cu_seq_lens_q=<tensor \(2,\) torch.int64>"),
     "attention_mask_reaches_attention": (lambda: _attention_call(attention_mask=torch.zeros(1, 1, 8, 8)), r"passed attention_mask of shape \(1, 1, 8, 8\).*cannot honour an explicit mask"),
     "attention_sinks_wrong_size": (lambda: _attention_call(s_aux=torch.zeros(3)), r"s_aux=<tensor \(3,\).*one logit per query head \(4 values\)"),
