@@ -46,10 +46,11 @@ HONOURED_KEYWORDS = ("dropout", "scaling", "sliding_window", "softcap", "s_aux",
 # Keywords refused with the structural reason why ds_seqpar cannot honour them (else a generic refusal).
 REFUSED_KEYWORDS = {
     "position_bias": (
-        "an additive [B, H, S, S] score bias computed by the layer over its local tokens (Inkling2: a "
-        "relative bias conditioned on each query's hidden states, learned, over distances 0..rel_extent-1). "
-        "ds_seqpar builds no [S, S] tensor; honouring it would need the block kernels to take the per-query "
-        "distance table [B, H, n, rel_extent] and return its gradient (dS summed per distance)"
+        "an additive [B, H, S, S] score bias the layer computes over its local tokens (a relative position bias, "
+        "e.g. Inkling2's, learned and conditioned on each query's hidden states over distances 0..rel_extent-1). "
+        "ds_seqpar builds no [S, S] tensor; honouring it would need the block kernels to compute it from global "
+        "positions and, being learned, return its gradient (for Inkling2: a per-query distance table "
+        "[B, H, n, rel_extent] in, dS summed per distance out)"
     ),
 }
 NEUTRAL_KEYWORDS = frozenset(
