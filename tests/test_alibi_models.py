@@ -55,7 +55,7 @@ def test_forward_backward_equals_plain_model(dist_pool, kind, u, layout, batch):
         assert rep["grad_rel_err"] <= 1e-5, rep
 
 
-@pytest.mark.parametrize("kind", ["bloom", "mpt"])
+@pytest.mark.parametrize("kind", ["bloom", pytest.param("mpt", marks=pytest.mark.slow)])
 def test_zero3_training_matches_plain_model(dist_pool, kind):
     for rep in dist_pool(4).run(deepspeed_ab, kind, 4, 2, 3, 5, 64, 0.5):
         assert max(rep["loss_errs"]) <= 1e-5, rep
