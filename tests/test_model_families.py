@@ -5,10 +5,10 @@ plain attention, attention soft-capping and a final logit soft-cap, logit diviso
 attention sinks, sliding windows, per-layer attention types, parallel blocks, MoE routing, a
 composite (multimodal) model on text, MLA head dims, nested decoders, layers that do not forward
 their keyword arguments, routed recurrent layers (gated DeltaNet, KDA, Mamba2, Mamba v1, short
-convolutions), positions a family derives from the token ids (a position rule), chunked attention (Llama 4);
-and every kind of refusal: a recurrent layer kind without an adapter, token mixing outside the attention
-(the probe names the module), attention computed inline, another loss convention, indexed (QSA)
-attention, Doge's dynamic mask. The slow suite
+convolutions), routed ALiBi attentions, positions a family derives from the token ids (a position rule),
+chunked attention (Llama 4); and every kind of refusal: a recurrent layer kind without an adapter, token
+mixing outside the attention (the probe names the module), attention computed inline, another loss
+convention, indexed (QSA) attention, Doge's dynamic mask, a learned score bias. The slow suite
 runs ``benchmarks/model_sweep.py`` over every causal-LM type of the installed transformers.
 """
 
@@ -58,6 +58,9 @@ EXPECTED = {
     "doge": "refused",  # a learned per-key bias and a top-k key selection over the whole row
     "moshi": "exact",  # config.sliding_window that its mask never applies (WINDOW_UNUSED)
     "qwen4_exp_text": "refused",  # QSA indexed attention (learned selection of compressed key blocks)
+    "bloom": "exact",  # ALiBi: an attention that computes scores itself, routed (integrations/attention_layers.py)
+    "mpt": "exact",  # ALiBi from a bias table over max_seq_len
+    "inkling2_text": "refused",  # position_bias: a learned relative bias conditioned on each query's states
 }
 
 

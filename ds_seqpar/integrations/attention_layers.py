@@ -1,19 +1,26 @@
-"""Attention layers whose own forward does something per token that depends on the whole sequence.
+"""Route the softmax-attention layers that do not call transformers' attention interface: a registry of
+layer class -> adapter forward (the attention counterpart of ``recurrent_layers.py``).
 
-Most attention layers need nothing but the ``"ds_seqpar"`` attention implementation
-(``integrations/hf_attention.py``). A few compute, before their attention call, a per-token quantity from
-the token's index in the tensor they hold (Llama 4's query temperature on its NoPE layers); on a shard that
-index is the local one. Each such class is one entry here: ``register_attention_layer(cls, forward)``; the
-forward keeps every weight and step of the module and reads the GLOBAL index of its tokens from the
-forward's ``SeqParContext``. Routed by ``enable_sequence_parallel`` (``integrations/routing.py``) with the
-recurrent layers; entries resolve lazily, like the recurrent registry's.
+Most families compute attention through ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``, which
+ds_seqpar replaces by its ``"ds_seqpar"`` implementation (``hf_attention.py``). A few compute their scores
+themselves (or index their own tokens, Llama 4's NoPE temperature); their adapter keeps the module's own projections and output and hands q, k, v (and what the
+family adds to the scores, e.g. ALiBi slopes) to the attention interface instead:
 
-    class (transformers 5.x)     what changes under SP
-    Llama4TextAttention          attn_temperature_tuning: the query scale from each token's global index
+    class (transformers 5.x)    what the adapter passes                      module
+    BloomAttention              alibi_slopes (BLOOM's), scaling 1/sqrt(D)    alibi_adapters.py
+    MptAttention                alibi_slopes (read off MPT's position_bias)  alibi_adapters.py
+    Llama4TextAttention         NoPE query temperature at global indices     llama4_adapters.py
+
+These families cannot switch ``config._attn_implementation`` (transformers keeps "eager" and warns), so a
+routed layer holds the implementation it calls itself: the token-locality probe's while
+``SeqParCausalLM`` probes the model (``check_token_locality`` then sees the adapted attention), then
+``"ds_seqpar"`` from ``enable_sequence_parallel``; ``disable_sequence_parallel`` restores the family's own
+forward.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 from collections.abc import Callable
@@ -21,40 +28,60 @@ from typing import Any
 
 import torch
 
-from ds_seqpar.integrations.context import SeqParContext, current_context
-from ds_seqpar.settings import input_layout
+from ds_seqpar.integrations import alibi_adapters as adapters
+from ds_seqpar.integrations.hf_attention import ATTN_IMPLEMENTATION
+from ds_seqpar.integrations.hf_model import UnsupportedModelError, text_configs
+from ds_seqpar.integrations.llama4_adapters import llama4_attention_forward
 
-# transformers module, class name -> forward (resolved lazily into ATTENTION_LAYERS)
-BUILTIN_ATTENTION_LAYERS: dict[tuple[str, str], Callable] = {}
-ATTENTION_LAYERS: dict[type, Callable] = {}
+BUILTIN_ADAPTERS: dict[tuple[str, str], Callable] = {
+    ("transformers.models.bloom.modeling_bloom", "BloomAttention"): adapters.bloom_forward,
+    ("transformers.models.mpt.modeling_mpt", "MptAttention"): adapters.mpt_forward,
+    ("transformers.models.llama4.modeling_llama4", "Llama4TextAttention"): llama4_attention_forward,
+}
+REGISTRY: dict[type, Callable] = {}
+IMPL_ATTR = "_ds_seqpar_attention"  # on each routed layer: the name of the attention implementation it calls
 
 
 def register_attention_layer(cls: type, forward: Callable) -> None:
-    """Route every instance of ``cls`` through ``forward(self, hidden_states, ...)`` under ds_seqpar."""
+    """Route every instance of ``cls`` through ``forward(self, attend, *args, **kwargs)`` while routed
+    (``attend``: the attention interface function to call)."""
     if not isinstance(cls, type) or not issubclass(cls, torch.nn.Module):
         raise TypeError(f"register_attention_layer takes an nn.Module subclass, got {cls!r}")
-    ATTENTION_LAYERS[cls] = forward
+    REGISTRY[cls] = forward
 
 
-def attention_layer_forward(module: torch.nn.Module) -> Callable | None:
-    """The registered forward for ``module``'s class (or a base class), else None."""
-    for (module_name, class_name), forward in BUILTIN_ATTENTION_LAYERS.items():
+def _adapter_for(module: torch.nn.Module) -> Callable | None:
+    for (module_name, class_name), forward in BUILTIN_ADAPTERS.items():
         cls = getattr(sys.modules.get(module_name), class_name, None)
-        if cls is not None and cls not in ATTENTION_LAYERS:
-            ATTENTION_LAYERS[cls] = forward
-    for cls in type(module).__mro__:
-        if cls in ATTENTION_LAYERS:
-            return ATTENTION_LAYERS[cls]
-    return None
+        if cls is not None and cls not in REGISTRY:
+            REGISTRY[cls] = forward
+    return next((REGISTRY[c] for c in type(module).__mro__ if c in REGISTRY), None)
 
 
-def route_attention_layers(model: torch.nn.Module) -> int:
-    """Give every registered attention layer of ``model`` its sequence-parallel forward; the number routed."""
+def refuse_unrouted_alibi(model: torch.nn.Module) -> None:
+    """``config.alibi=True`` on a model none of whose layers this registry routes (Falcon's ALiBi variant):
+    the family folds the bias into the attention mask it builds, which ds_seqpar does not receive; refused
+    by name (before any collective)."""
+    if not any(getattr(c, "alibi", False) is True for c in text_configs(model)):
+        return
+    if not any(_adapter_for(m) is not None for m in model.modules()):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: config.alibi=True adds ALiBi to the attention mask the model builds (Falcon: "
+            "bf16(slope) · key position rounded to bfloat16, not linear in the position past 256 tokens), which "
+            "ds_seqpar does not receive and cannot reproduce from global positions; this model cannot run under "
+            "ds_seqpar (models with alibi=False, rotary positions, can)"
+        )
+
+
+def route_attention_layers(model: torch.nn.Module, implementation: str = ATTN_IMPLEMENTATION) -> int:
+    """Give every registered attention layer of ``model`` its adapter forward, calling the attention
+    implementation ``implementation`` (a name of transformers' registry); returns how many."""
     routed = 0
     for module in model.modules():
-        forward = attention_layer_forward(module)
+        forward = _adapter_for(module)
         if forward is not None:
-            module.forward = types.MethodType(forward, module)
+            module.forward = types.MethodType(functools.partial(_routed, forward), module)
+            module.__dict__[IMPL_ATTR] = implementation
             routed += 1
     return routed
 
@@ -62,67 +89,12 @@ def route_attention_layers(model: torch.nn.Module) -> int:
 def unroute_attention_layers(model: torch.nn.Module) -> None:
     """Restore the original forward of every routed attention layer."""
     for module in model.modules():
-        if attention_layer_forward(module) is not None and "forward" in module.__dict__:
-            del module.forward
+        if IMPL_ATTR in module.__dict__:
+            module.__dict__.pop("forward", None)
+            del module.__dict__[IMPL_ATTR]
 
 
-def global_token_index(
-    module: torch.nn.Module, kwargs: dict, tokens: int, device: torch.device
-) -> torch.Tensor:
-    """``[n]`` the index in the whole row of each of this rank's ``tokens`` tokens (the forward's layout);
-    ``arange(n)`` when the layer runs outside ds_seqpar (no context, or a local-attention pass)."""
-    ctx = current_context(kwargs)
-    if not isinstance(ctx, SeqParContext) or ctx.local_attention is not None:
-        return torch.arange(tokens, device=device)
-    layout = input_layout(ctx.mesh, ctx.doc_ids)
-    index = torch.arange(tokens * layout.world, device=device)
-    return layout.shard(index, ctx.mesh.coords.sp_rank, dim=0)
+def _routed(adapter: Callable, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-
-def llama4_attention_forward(
-    self: torch.nn.Module,
-    hidden_states: torch.Tensor,
-    position_embeddings: Any,
-    attention_mask: Any,
-    cache: Any = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, Any]:
-    """``Llama4TextAttention.forward`` (training path) with the NoPE layers' query temperature
-    ``1 + attn_scale · log1p(floor((i + 1) / floor_scale))`` taken at each token's GLOBAL index ``i``."""
-    family = sys.modules[type(self).__module__]
-    shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-    query = self.q_proj(hidden_states).view(shape)
-    key = self.k_proj(hidden_states).view(shape)
-    value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
-    if self.use_rope:
-        query, key = family.apply_rotary_emb(query, key, position_embeddings.to(query.device))
-    if hasattr(self, "qk_norm"):
-        query, key = self.qk_norm(query), self.qk_norm(key)
-    if self.attn_temperature_tuning and not self.use_rope:
-        if cache is not None:
-            raise RuntimeError(
-                "Llama4TextAttention under ds_seqpar: a KV cache is in use (generation); pass use_cache=False, "
-                "and generate with an unwrapped model"
-            )
-        index = global_token_index(self, kwargs, hidden_states.shape[1], hidden_states.device)
-        scales = torch.log1p(torch.floor((index.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
-        query = (query * scales.view(1, -1, 1, 1)).to(query.dtype)
-    interface = family.ALL_ATTENTION_FUNCTIONS.get_interface(
-        self.config._attn_implementation, family.eager_attention_forward
-    )
-    out, weights = interface(
-        self,
-        query.transpose(1, 2),
-        key.transpose(1, 2),
-        value,
-        attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout,
-        scaling=self.scaling,
-        **kwargs,
-    )
-    return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
-
-
-BUILTIN_ATTENTION_LAYERS[("transformers.models.llama4.modeling_llama4", "Llama4TextAttention")] = (
-    llama4_attention_forward
-)
+    return adapter(module, ALL_ATTENTION_FUNCTIONS[module.__dict__[IMPL_ATTR]], *args, **kwargs)

@@ -13,9 +13,15 @@ from typing import Any
 import torch
 
 from ds_seqpar.data import check_objective
+from ds_seqpar.integrations.attention_layers import (
+    refuse_unrouted_alibi,
+    route_attention_layers,
+    unroute_attention_layers,
+)
 from ds_seqpar.integrations.context import ACTIVE_CONTEXT, CONTEXT_KEY, SeqParContext
 from ds_seqpar.integrations.hf_attention import FEED_FORWARD_LAYER_TYPES
 from ds_seqpar.integrations.hf_model import (
+    PROBE_ATTENTION,
     ModelLogits,
     UnsupportedModelError,
     check_token_locality,
@@ -107,9 +113,14 @@ class SeqParCausalLM(torch.nn.Module):
         decoder = decoder_of(hf)
         refuse_unhonoured_features(hf)
         refuse_recurrent_layers(hf)
+        refuse_unrouted_alibi(hf)
         if getattr(hf, "_ds_seqpar_original_attn", None) is None and not has_recurrent_layers(hf):
-            # one process, before the attention is switched
-            check_token_locality(hf, decoder, self.objective, encoder_states=self.encoder_states)
+            # one process, before the attention is switched; on the routed attention layers (ALiBi families)
+            route_attention_layers(hf, PROBE_ATTENTION)
+            try:
+                check_token_locality(hf, decoder, self.objective, encoder_states=self.encoder_states)
+            finally:
+                unroute_attention_layers(hf)
         self.model = enable_sequence_parallel(model)
         layer_of, num_layers, layers = _decoder_layers(decoder, hf)
         self._parts = _ModelParts(

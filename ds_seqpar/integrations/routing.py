@@ -1,6 +1,7 @@
 """Switching a model's sequence mixing to ds_seqpar and back: its attention implementation (``"ds_seqpar"``,
 selected for this model only with ``model.set_attn_implementation``; overriding ``"sdpa"`` process-wide
-would change every other model in the process) and its routed recurrent layers (``recurrent_layers.py``).
+would change every other model in the process), its routed recurrent layers (``recurrent_layers.py``) and
+its routed attention layers that compute scores themselves (``attention_layers.py``: ALiBi families).
 
 The model's own code paths stay as they are: RoPE, sliding-window layers, GQA, per-layer types. HF builds
 no 4-D mask for this implementation (``attention_mask`` is None).

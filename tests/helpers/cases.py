@@ -63,6 +63,7 @@ class AttentionCase:
     attention: str = "usp"
     softcap: float | None = None
     sinks: bool = False
+    alibi: bool = False
     sparse: str | None = None
     dynamic: bool = False
     chunk: int | None = None

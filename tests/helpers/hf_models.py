@@ -35,6 +35,8 @@ ENCODER_MODELS = ("modernbert", "bert")
 HYBRID_MODELS = ("qwen3_next", "qwen3_5", "kimi_linear", "nemotron_h", "bamba", "granitemoehybrid", "zamba2",
                  "olmo_hybrid", "bailing_hybrid", "lara_mini", "lfm2", "lfm2_moe", "lfm3", "zaya",
                  "mamba", "falcon_mamba", "jamba", "zamba", "mamba2", "falcon_h1")  # fmt: skip
+# families with ALiBi attentions ds_seqpar routes (integrations/attention_layers.py), built by benchmarks/tiny_configs.py
+ALIBI_MODELS = ("bloom", "mpt")
 MASK_ID = 4  # the tiny encoders' mask token
 # BERT-style decoders (is_decoder=True) whose positions come from a position rule (ds_seqpar/integrations/
 # positions.py: RoBERTa's padding offset; pad token 1), built by benchmarks/tiny_configs.py
@@ -124,7 +126,7 @@ def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
     :data:`ENCODER_MODELS` gives :func:`tiny_encoder`, one of :data:`HYBRID_MODELS` (or :data:`BERT_DECODERS`) the sweep's tiny model."""
     if kind in ENCODER_MODELS:
         return tiny_encoder(kind, seed)
-    if kind in HYBRID_MODELS or kind in BERT_DECODERS:
+    if kind in HYBRID_MODELS or kind in BERT_DECODERS or kind in ALIBI_MODELS:
         from benchmarks.tiny_configs import build_tiny_model
 
         model = build_tiny_model(kind, seed=seed)
