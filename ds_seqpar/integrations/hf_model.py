@@ -91,12 +91,6 @@ def refuse_unhonoured_features(model: torch.nn.Module) -> None:
                 f"{name}: config.attention_chunk_size={chunk} (chunked attention, e.g. Llama 4) is built into a mask "
                 "that ds_seqpar does not receive; this model cannot run under ds_seqpar"
             )
-        if getattr(config, "index_topk", None):
-            raise UnsupportedModelError(
-                f"{name}: config.index_topk={config.index_topk} selects keys per query with a learned indexer "
-                "(DeepSeek sparse attention), which ds_seqpar does not split over the sequence; this model cannot "
-                "run under ds_seqpar"
-            )
         if getattr(config, "output_router_logits", False):
             coef = getattr(config, "router_aux_loss_coef", None)
             raise UnsupportedModelError(

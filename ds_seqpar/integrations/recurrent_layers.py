@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from ds_seqpar.integrations import recurrent_adapters as adapters
+from ds_seqpar.integrations.dsa_adapters import DSA_ADAPTERS, refuse_unrouted_indexers
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
 
 # transformers module, class name -> adapter forward (resolved lazily into REGISTRY)
@@ -54,6 +55,7 @@ BUILTIN_ADAPTERS: dict[tuple[str, str], Callable] = {
         adapters.mamba2_forward
     ),
     ("transformers.models.zamba2.modeling_zamba2", "Zamba2MambaMixer"): adapters.mamba2_forward,
+    **DSA_ADAPTERS,  # DeepSeek sparse attention layers (integrations/dsa_adapters.py)
 }
 REGISTRY: dict[type, Callable] = {}
 UNSUPPORTED_RECURRENT = (
@@ -98,7 +100,9 @@ def supported_layers() -> str:
 
 
 def refuse_recurrent_layers(model: torch.nn.Module) -> None:
-    """Raise ``UnsupportedModelError`` naming the first recurrent layer kind ds_seqpar cannot split."""
+    """Raise ``UnsupportedModelError`` naming the first recurrent layer kind ds_seqpar cannot split (or a
+    DeepSeek sparse attention indexer without a routed layer)."""
+    refuse_unrouted_indexers(model, adapter_for)
     for name, module in model.named_modules():
         cls = type(module).__name__
         if adapter_for(module) is None and any(cls.endswith(bad) for bad in UNSUPPORTED_RECURRENT):
