@@ -19,13 +19,14 @@ and in GLM-MoE-DSA's cross-layer sharing (a ``"shared"`` layer reuses the previo
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ds_seqpar.integrations import dsa_families as families
 from ds_seqpar.integrations.context import SeqParContext, current_context
+from ds_seqpar.integrations.dsa_families import DsaFamily
 from ds_seqpar.integrations.hf_attention import NEUTRAL_KEYWORDS
 from ds_seqpar.integrations.hf_model import UnsupportedModelError, text_configs
 from ds_seqpar.ops.sparse.topk import topk_attention
@@ -79,127 +80,65 @@ def _sequence(ctx: SeqParContext, hidden: torch.Tensor) -> SequenceGather:
     return seq
 
 
-def _indexer_inputs(indexer: torch.nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, cos_sin: Any,
-                    rope: Callable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The indexer's queries ``[B, n, H_i, D_i]``, keys ``[B, n, D_i]`` and head weights ``[B, n, H_i]`` (fp32)
-    of this rank's tokens, as the HF indexer computes them (RoPE on the first qk_rope_head_dim channels)."""
-    b, n, _ = hidden.shape
-    rot = indexer.qk_rope_head_dim
-    q = indexer.wq_b(q_resid).view(b, n, indexer.n_heads, indexer.head_dim)
-    q_rot, q_pass = torch.split(q, [rot, indexer.head_dim - rot], dim=-1)
-    k = indexer.k_norm(indexer.wk(hidden)).unsqueeze(2)  # [B, n, 1, D_i]
-    k_rot, k_pass = torch.split(k, [rot, indexer.head_dim - rot], dim=-1)
-    q_rot, k_rot = rope(q_rot, k_rot, *cos_sin, unsqueeze_dim=2)
-    q = torch.cat([q_rot, q_pass], dim=-1)
-    k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
-    weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float()
-    return q, k, weights * (indexer.n_heads**-0.5)
-
-
-def _mla_queries(self: torch.nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-    """DeepSeek-V3.2 / GLM-MoE-DSA: ``(q_resid [B, n, q_lora_rank], queries [B, H, n, D], no gate)``."""
-    q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
-    return q_resid, self.q_b_proj(q_resid).view(*hidden.shape[:2], -1, self.qk_head_dim).transpose(1, 2), None
-
-
-def _gated_queries(
-    self: torch.nn.Module, hidden: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """AXK2: one fused projection of ``[q_resid, q_compressed]`` gives the queries ``[B, H, n, D]`` and the
-    output gate ``[B, n, H·D_v]``."""
-    b, n, _ = hidden.shape
-    q_compressed = self.q_a_proj(hidden)
-    q_resid = self.q_a_layernorm(q_compressed)
-    fused = self.q_gate_proj(torch.cat([q_resid, q_compressed], dim=-1)).view(
-        b, n, -1, self.qk_head_dim + self.v_head_dim
-    )
-    q_states, gate = torch.split(fused, [self.qk_head_dim, self.v_head_dim], dim=-1)
-    return q_resid, q_states.transpose(1, 2), gate.reshape(b, n, -1)
-
-
-def _dsa_forward(self: torch.nn.Module, hidden: torch.Tensor, cos_sin: Any, ctx: SeqParContext,
-                 indexer_rope: Callable, shared: torch.Tensor | None,
-                 queries: Callable = _mla_queries) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(out [B, n, hidden], selected key positions [B, n, K])`` of this rank's tokens ``hidden [B, n, E]``;
-    ``queries(self, hidden)``: the family's ``(q_resid, queries, output gate or None)``."""
-    family = sys.modules[type(self).__module__]
-    b, n, _ = hidden.shape
+def _dsa_forward(self: torch.nn.Module, hidden: torch.Tensor, cos_sin: Any, ctx: SeqParContext, family: DsaFamily,
+                 shared: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(out [B, n, E], selected key positions [B, n, K])`` of this rank's tokens ``hidden [B, n, E]``;
+    ``shared``: the previous layer's selection, for a layer without an indexer (GLM-MoE-DSA ``"shared"``)."""
     seq = _sequence(ctx, hidden)
-    q_resid, q_states, gate = queries(self, hidden)
+    q_resid, q_states, extra = family.queries(self, hidden)
     q_pass, q_rot = torch.split(q_states, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-    kv_pass, k_rot = torch.split(
-        self.kv_a_proj_with_mqa(hidden), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
-    )
-    k_pass = self.kv_a_layernorm(kv_pass).view(b, 1, n, self.kv_lora_rank)
-    q_rot, k_rot = family.apply_rotary_pos_emb_interleave(q_rot, k_rot.view(b, 1, n, -1), *cos_sin)
+    q_rot, k_pass, k_rot = family.latents(self, hidden, q_rot, cos_sin)
     query = torch.cat((q_pass, q_rot), dim=-1).transpose(1, 2)  # [B, n, H, D]
     latent = seq.gather(torch.cat((k_pass, k_rot), dim=-1)[:, 0])  # [B, S, kv_lora_rank + rope]
     k_pass, k_rot = torch.split(latent.unsqueeze(1), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
     key, value = self.expand_kv(k_pass, k_rot)  # [B, H, S, D], [B, H, S, D_v]
     if self.indexer is not None:
         with torch.no_grad():
-            q_i, k_i, weights = _indexer_inputs(self.indexer, hidden, q_resid, cos_sin, indexer_rope)
-        selected = dsa_select(seq, q_i, k_i, weights, self.indexer.softmax_scale, self.indexer.index_topk)
+            q_i, k_i, weights, scale = family.indexer(self.indexer, hidden, q_resid, cos_sin)
+        selected = dsa_select(seq, q_i, k_i, weights, scale, self.indexer.index_topk)
     elif shared is None:
-        raise UnsupportedModelError(f"{type(self).__name__} (layer {self.layer_idx}): a shared DSA layer without a "
-                                    "previous full indexer layer's top-k")  # fmt: skip
+        raise UnsupportedModelError(
+            f"{type(self).__name__} (layer {self.layer_idx}): a shared DSA layer without a previous full indexer "
+            "layer's top-k"
+        )
     else:
         selected = shared
-    out = topk_attention(
-        query, key.transpose(1, 2), value.transpose(1, 2), selected, seq.visible, self.scaling
-    )
+    sinks = self.sinks if family.sinks else None
+    out = topk_attention(query, key.transpose(1, 2), value.transpose(1, 2), selected, seq.visible, self.scaling,
+                         sinks=sinks)  # fmt: skip
     ctx.record(self)
-    out = out.reshape(b, n, -1)
-    if gate is not None:  # AXK2: a sigmoid gate per output channel
-        out = (out * torch.sigmoid(gate.float())).to(out.dtype)
-    return self.o_proj(out), selected
+    return self.o_proj(family.output(self, hidden, extra, out)), selected
 
 
-def deepseek_v32_forward(
-    self: torch.nn.Module,
-    hidden_states: torch.Tensor,
-    position_embeddings: Any,
-    attention_mask: Any = None,
-    cache: Any = None,
-    position_ids: Any = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """DeepSeek-V3.2 (and AXK2) DSA layer: half-split RoPE on the indexer."""
+def _forward(family: DsaFamily, shares: bool) -> Callable:
+    """The adapter forward of a family: its layer's signature, ``(out, None)`` or, for families whose layers
+    pass their top-k on (``shares``), ``(out, None, selected)``."""
+
+    def forward(self: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings: Any,
+                attention_mask: Any = None, cache: Any = None, position_ids: Any = None,
+                prev_topk_indices: torch.Tensor | None = None, **kwargs: Any) -> tuple:  # fmt: skip
+        ctx = _context(self, kwargs, cache)
+        out, selected = _dsa_forward(self, hidden_states, position_embeddings, ctx, family, prev_topk_indices)
+        return (out, None, selected) if shares else (out, None)
+
+    return forward
+
+
+def dots3_forward(self: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings: Any,
+                  attention_mask: Any = None, cache: Any = None, **kwargs: Any) -> tuple:  # fmt: skip
+    """dots.3: an ``"indexed_attention"`` layer runs DSA; its full and sliding layers (no indexer) keep their
+    own forward, which calls the ``"ds_seqpar"`` attention."""
+    if self.indexer is None:
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+    kwargs.pop("position_ids", None)
     ctx = _context(self, kwargs, cache)
-    rope = sys.modules[type(self).__module__].apply_rotary_pos_emb
-    return _dsa_forward(self, hidden_states, position_embeddings, ctx, rope, None)[0], None
+    return _dsa_forward(self, hidden_states, position_embeddings, ctx, families.DOTS3)[0], None
 
 
-def axk2_forward(
-    self: torch.nn.Module,
-    hidden_states: torch.Tensor,
-    position_embeddings: Any,
-    attention_mask: Any = None,
-    cache: Any = None,
-    position_ids: Any = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """AXK2 DSA layer: DeepSeek-V3.2's, with a fused query + gate projection and a sigmoid output gate."""
-    ctx = _context(self, kwargs, cache)
-    rope = sys.modules[type(self).__module__].apply_rotary_pos_emb
-    return _dsa_forward(self, hidden_states, position_embeddings, ctx, rope, None, _gated_queries)[0], None
-
-
-def glm_moe_dsa_forward(
-    self: torch.nn.Module,
-    hidden_states: torch.Tensor,
-    position_embeddings: Any,
-    attention_mask: Any = None,
-    cache: Any = None,
-    position_ids: Any = None,
-    prev_topk_indices: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None, torch.Tensor]:
-    """GLM-MoE-DSA layer: interleaved RoPE on the indexer; a ``"shared"`` layer reuses ``prev_topk_indices``."""
-    ctx = _context(self, kwargs, cache)
-    rope = sys.modules[type(self).__module__].apply_rotary_pos_emb_interleave
-    out, selected = _dsa_forward(self, hidden_states, position_embeddings, ctx, rope, prev_topk_indices)
-    return out, None, selected
+deepseek_v32_forward = _forward(families.DEEPSEEK_V32, shares=False)
+axk2_forward = _forward(families.AXK2, shares=False)
+glm_moe_dsa_forward = _forward(families.GLM_MOE_DSA, shares=True)
+hy_v4_forward = _forward(families.HY_V4, shares=True)
 
 
 # transformers module, class name -> adapter forward
@@ -207,6 +146,8 @@ DSA_ADAPTERS: dict[tuple[str, str], Callable] = {
     ("transformers.models.deepseek_v32.modeling_deepseek_v32", "DeepseekV32Attention"): deepseek_v32_forward,
     ("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa", "GlmMoeDsaAttention"): glm_moe_dsa_forward,
     ("transformers.models.axk2.modeling_axk2", "AXK2Attention"): axk2_forward,
+    ("transformers.models.dots3_note.modeling_dots3_note", "Dots3NoteTextAttention"): dots3_forward,
+    ("transformers.models.hy_v4.modeling_hy_v4", "HYV4Attention"): hy_v4_forward,
 }
 
 # model_type -> why its indexed attention is not routed (the structural reason, for the refusal)

@@ -47,10 +47,12 @@ def topk_attention(
     visible: torch.Tensor,
     scale: float,
     chunk: int = 256,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention of ``q [B, n, H, D]`` over the keys ``idx [B, n, K]`` of ``k [B, S, H, D]`` /
-    ``v [B, S, H, D_v]`` that are also ``visible [B|1, n, S]``; a row with no such key gives 0.
-    Differentiable (autograd); chunks of ``chunk`` queries keep memory O(n * K * H * D)."""
+    ``v [B, S, H, D_v]`` that are also ``visible [B|1, n, S]``; a row with no such key gives 0. ``sinks [H]``:
+    one extra logit per head in the softmax denominator (no value). Differentiable (autograd); chunks of
+    ``chunk`` queries keep memory O(n * K * H * D)."""
     b, n = q.shape[:2]
     visible = visible.expand(b, -1, -1)
     rows = torch.arange(b, device=q.device).view(b, 1, 1)
@@ -60,9 +62,17 @@ def topk_attention(
         k_sel, v_sel = k[rows, sel], v[rows, sel]  # [B, c, K, H, D]
         logits = torch.einsum("bchd,bckhd->bchk", q[:, start : start + chunk], k_sel) * scale
         valid = visible[:, start : start + chunk].gather(-1, sel).unsqueeze(2)  # [B, c, 1, K]
-        probs = torch.softmax(logits.masked_fill(~valid, torch.finfo(logits.dtype).min), dim=-1) * valid
+        probs = _softmax(logits.masked_fill(~valid, torch.finfo(logits.dtype).min), sinks) * valid
         outs.append(torch.einsum("bchk,bckhd->bchd", probs, v_sel))
     return torch.cat(outs, dim=1)
+
+
+def _softmax(logits: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of ``logits [B, c, H, K]``, with one sink logit per head ``sinks [H]``."""
+    if sinks is None:
+        return torch.softmax(logits, dim=-1)
+    sink = sinks.to(logits.dtype).view(1, 1, -1, 1).expand(*logits.shape[:-1], 1)
+    return torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
 
 
 def selected_mask(idx: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -73,11 +83,21 @@ def selected_mask(idx: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
 
 
 def topk_attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, visible: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    idx: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense ground truth of :func:`topk_attention`: ``[B, H, n, S]`` logits under the selected-and-visible
-    mask, softmax, times V; rows with no key give 0."""
+    mask (and a sink column per head), softmax, times V; rows with no key give 0."""
     mask = selected_mask(idx, visible).unsqueeze(1)  # [B, 1, n, S]
     logits = torch.einsum("bnhd,bshd->bhns", q, k) * scale
-    probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
+    logits = logits.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(logits.dtype).view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+        logits = torch.cat([logits, sink], dim=-1)
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)[..., : k.shape[1]] * mask.any(-1, keepdim=True)
     return torch.einsum("bhns,bshd->bnhd", probs, v)
