@@ -151,7 +151,14 @@ DSA_ADAPTERS: dict[tuple[str, str], Callable] = {
 }
 
 # model_type -> why its indexed attention is not routed (the structural reason, for the refusal)
-UNROUTED_REASONS: dict[str, str] = {}
+UNROUTED_REASONS: dict[str, str] = {
+    "deepseek_v4": (
+        "its compressed attention layers (compressed_sparse_attention, heavily_compressed_attention) attend to a "
+        "sliding window plus keys that a learned compressor makes from windows of compress_rates tokens, and its "
+        "indexer (index_topk={topk}) selects among those compressed keys; ds_seqpar's DeepSeek sparse attention "
+        "gathers one key per token and does not split a compressor over the sequence (docs/dsa.md)"
+    ),
+}
 
 
 def refuse_unrouted_indexers(model: torch.nn.Module, adapter_for: Callable) -> None:
@@ -162,9 +169,12 @@ def refuse_unrouted_indexers(model: torch.nn.Module, adapter_for: Callable) -> N
         topk = getattr(config, "index_topk", None)
         if not topk or any(adapter_for(m) in routed for m in model.modules()):
             continue
-        reason = UNROUTED_REASONS.get(getattr(config, "model_type", ""), "its indexed attention layer is not one of "
-                                      f"the routed DSA layers ({', '.join(c for _, c in DSA_ADAPTERS)})")  # fmt: skip
+        layers = ", ".join(c for _, c in DSA_ADAPTERS)
+        reason = UNROUTED_REASONS.get(
+            getattr(config, "model_type", ""),
+            "config.index_topk={topk} selects keys per query with a learned indexer (DeepSeek sparse attention) in "
+            f"a layer that is not one of the routed DSA layers ({layers})",
+        )
         raise UnsupportedModelError(
-            f"{type(model).__name__}: config.index_topk={topk} selects keys per query with a learned indexer "
-            f"(DeepSeek sparse attention); {reason}: this model cannot run under ds_seqpar"
+            f"{type(model).__name__}: {reason.format(topk=topk)}: this model cannot run under ds_seqpar"
         )
