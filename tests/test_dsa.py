@@ -172,3 +172,17 @@ def test_dsa_at_three_and_eight_ranks(dist_pool, world):
         assert result["select"] is True
         assert result["err"] <= 1e-10, result
         assert result["bytes"] == result["expected"], result
+
+
+# -- DeepSpeed ZeRO-3 A/B of a DSA model (tests/helpers/hf_ab.py) -------------------------------------
+
+
+@pytest.mark.parametrize(("sp", "u"), [(4, 2), (4, 1)])
+def test_deepseek_v32_zero3_matches_non_sp(dist_pool, sp, u):
+    """DeepSeek-V3.2 (DSA on every layer, top-k 16 of 64 tokens) trained 3 SGD steps under ZeRO-3 at
+    U2 x R2 and R4 = the plain model in one process."""
+    from tests.helpers.hf_ab import deepspeed_ab
+
+    for rep in dist_pool(4).run(deepspeed_ab, "deepseek_v32", sp, u, 3, 3, 64, 0.5):
+        assert max(rep["loss_errs"]) <= 1e-5, rep
+        assert rep["grad_err"] <= 1e-5, rep

@@ -4,7 +4,7 @@ The default suite runs a fixed subset that covers every mechanism ds_seqpar hono
 plain attention, attention soft-capping and a final logit soft-cap, logit divisors and scales,
 attention sinks, sliding windows, per-layer attention types, parallel blocks, MoE routing, a
 composite (multimodal) model on text, MLA head dims, nested decoders, layers that do not forward
-their keyword arguments, routed recurrent layers (gated DeltaNet, KDA, Mamba2); and every kind of
+their keyword arguments, routed recurrent layers (gated DeltaNet, KDA, Mamba2), DeepSeek sparse attention; and every kind of
 refusal: Mamba (v1) layers, convolutions, positions derived outside ``position_ids``, another loss
 convention, chunked attention, a window that only lives in a mask. The slow suite
 runs ``benchmarks/model_sweep.py`` over every causal-LM type of the installed transformers.
@@ -36,12 +36,19 @@ EXPECTED = {
     "qwen3_next": "exact",  # gated DeltaNet layers (conv1d halo + matrix All-Scan), MoE
     "kimi_linear": "exact",  # Kimi Delta Attention: per-channel decay
     "nemotron_h": "exact",  # Mamba2 mixers, MLP-only layers
+    "deepseek_v32": "exact",  # DeepSeek sparse attention: top-k indexer over the gathered sequence (docs/dsa.md)
+    "glm_moe_dsa": "exact",  # DSA, interleaved indexer RoPE
+    "axk2": "exact",  # DSA, fused query + output gate
+    "dots3_note": "exact",  # DSA on indexed layers (composite), sliding / full layers through the attention
+    "dots3_note_text": "exact",
+    "hy_v4": "exact",  # DSA with a shared-top-k layer, attention sinks, per-head gate, hyper-connections
     "jamba": "refused",  # Mamba (v1) layers
     "zaya": "refused",  # a causal Conv1d inside the attention's projections
     "roberta": "refused",  # positions derived from padding (probe: a shard differs from the whole)
     "whisper": "refused",  # its loss does not shift the labels
     "llama4": "refused",  # chunked attention (a mask ds_seqpar does not receive)
     "phimoe": "refused",  # sliding window only in the mask, never passed to the attention
+    "deepseek_v4": "refused",  # DSA over compressed keys (a learned compressor), not one key per token
 }
 
 

@@ -183,6 +183,9 @@ def deepspeed_ab(
                 if not p_ref.requires_grad:
                     continue
                 grad = deepspeed.utils.safe_get_full_grad(p)
+                if p_ref.grad is None:  # trained elsewhere or not at all (a DSA indexer runs under no_grad)
+                    assert grad is None or not grad.any(), "a gradient where the plain model has none"
+                    continue
                 floor = grad_floor(engine.module.objective, kind, ref)
                 worst = max(worst, rel_err(grad, p_ref.grad, floor))
             grad_err = worst

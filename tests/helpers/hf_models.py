@@ -22,6 +22,8 @@ FEATURE_MODELS = {
 ENCODER_MODELS = ("modernbert", "bert")
 # hybrids whose recurrent layers ds_seqpar routes (GDN, KDA, Mamba2), built by benchmarks/tiny_configs.py
 HYBRID_MODELS = ("qwen3_next", "qwen3_5", "kimi_linear", "nemotron_h", "bamba", "granitemoehybrid", "zamba2")
+# DeepSeek sparse attention (MLA + a top-k indexer, routed by integrations/dsa_adapters.py), built likewise
+DSA_MODELS = ("deepseek_v32",)
 MASK_ID = 4  # the tiny encoders' mask token
 
 
@@ -108,7 +110,7 @@ def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
     :data:`ENCODER_MODELS` gives :func:`tiny_encoder`, one of :data:`HYBRID_MODELS` the sweep's tiny hybrid."""
     if kind in ENCODER_MODELS:
         return tiny_encoder(kind, seed)
-    if kind in HYBRID_MODELS:
+    if kind in HYBRID_MODELS or kind in DSA_MODELS:
         from benchmarks.tiny_configs import build_tiny_model
 
         return build_tiny_model(kind, seed=seed)
