@@ -15,6 +15,9 @@ convolution weights, norms, gates and output, and hands only what spans the sequ
     NemotronHMamba2Mixer, BambaMixer,                      conv1d halo + Mamba2 SSD (decay per token and head)
     GraniteMoeHybridMambaLayer, Zamba2MambaMixer
 
+The DeepSeek sparse attention layers (DeepSeek-V3.2, GLM-MoE-DSA, AXK2, dots.3, HY-V4) are routed the same
+way: their entries come from ``integrations/dsa_adapters.DSA_ADAPTERS`` (docs/dsa.md).
+
 A family is one entry: ``register_recurrent_layer(cls, forward)``. Built-in entries are resolved only
 when their transformers module is already imported (no model module is imported to look one up).
 Softmax layers of the same models go through the ``"ds_seqpar"`` attention implementation. Any other
