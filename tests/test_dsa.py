@@ -186,3 +186,27 @@ def test_deepseek_v32_zero3_matches_non_sp(dist_pool, sp, u):
     for rep in dist_pool(4).run(deepspeed_ab, "deepseek_v32", sp, u, 3, 3, 64, 0.5):
         assert max(rep["loss_errs"]) <= 1e-5, rep
         assert rep["grad_err"] <= 1e-5, rep
+
+
+@pytest.mark.parametrize(
+    ("layout", "u", "lengths", "dynamic"),
+    [
+        ("zigzag", 2, [3, 40, 5, 9, 7], False),  # packed documents: selection and attention stay inside each
+        ("documents", 2, [24, 8, 24, 8], True),  # document placement, dynamic SP degree
+        ("contiguous", 1, None, False),  # 62 tokens: end padding
+    ],
+)
+def test_deepseek_v32_packed_and_padded_equals_plain_model(dist_pool, layout, u, lengths, dynamic):
+    from tests.helpers.hf_ab import sp_vs_reference
+    from tests.helpers.hf_models import batches
+
+    batch = batches(1, 1 if lengths else 2, 64 if lengths else 62)[0]
+    if lengths:
+        batch["position_ids"] = torch.cat([torch.arange(n) for n in lengths])[None]
+    # 16 indexer heads: an index score is exactly 0 (every head's relu 0) with probability 2^-16, so no tie
+    # sits at the k-th score; the reference runs each document (or the unpadded row) alone, where CPU topk
+    # breaks ties differently (docs/dsa.md "Ties")
+    heads = {"index_n_heads": 16}
+    for rep in dist_pool(4).run(sp_vs_reference, "deepseek_v32", u, layout, batch, heads, dynamic=dynamic):
+        assert rep["finite"], rep
+        assert rep["loss_err"] <= 1e-5 and rep["grad_rel_err"] <= 1e-5, rep

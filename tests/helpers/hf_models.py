@@ -110,6 +110,16 @@ def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
     :data:`ENCODER_MODELS` gives :func:`tiny_encoder`, one of :data:`HYBRID_MODELS` the sweep's tiny hybrid."""
     if kind in ENCODER_MODELS:
         return tiny_encoder(kind, seed)
+    if kind in DSA_MODELS and overrides:  # config fields of the tiny model (e.g. more indexer heads)
+        from benchmarks.tiny_configs import tiny_config
+
+        cfg = tiny_config(kind)
+        for key, value in overrides.items():
+            setattr(cfg, key, value)
+        torch.manual_seed(seed)
+        model = transformers_class(kind)(cfg).float().train()
+        model.set_attn_implementation("sdpa")
+        return model
     if kind in HYBRID_MODELS or kind in DSA_MODELS:
         from benchmarks.tiny_configs import build_tiny_model
 
@@ -181,6 +191,14 @@ def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
             if name.endswith(".sinks"):
                 param.normal_()
     return model
+
+
+def transformers_class(kind: str) -> type:
+    """The causal-LM class of a model type."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])
 
 
 def batches(num: int, batch_size: int, seq_len: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
