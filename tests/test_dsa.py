@@ -210,3 +210,39 @@ def test_deepseek_v32_packed_and_padded_equals_plain_model(dist_pool, layout, u,
     for rep in dist_pool(4).run(sp_vs_reference, "deepseek_v32", u, layout, batch, heads, dynamic=dynamic):
         assert rep["finite"], rep
         assert rep["loss_err"] <= 1e-5 and rep["grad_rel_err"] <= 1e-5, rep
+
+
+def test_selection_equals_transformers_indexer_on_a_packed_row():
+    """One process, the tiny DeepSeek-V3.2 (2 indexer heads: many exact ties): on a packed row (position_ids
+    restarting per document) transformers' indexer returns exactly the top-k that ds_seqpar selects from the
+    same inputs with its own visibility (causal, same document), ties included."""
+    from ds_seqpar.data import doc_ids_from_positions
+    from ds_seqpar.integrations.dsa_families import half_split_indexer
+    from tests.helpers.hf_models import tiny_model
+
+    model = tiny_model("deepseek_v32").eval()
+    seen: list = []
+
+    def capture(module, args, kwargs, out):
+        seen.append((module, args, kwargs, out))
+
+    hooks = [
+        layer.self_attn.indexer.register_forward_hook(capture, with_kwargs=True)
+        for layer in model.model.layers
+    ]
+    pos = torch.cat([torch.arange(n) for n in (3, 40, 5, 9, 7)])[None]
+    with torch.no_grad():
+        model(
+            input_ids=torch.randint(0, 90, (1, 64), generator=torch.Generator().manual_seed(0)),
+            position_ids=pos,
+        )
+    for h in hooks:
+        h.remove()
+    doc = doc_ids_from_positions(pos)
+    k_pos = torch.arange(64)[None]
+    visible = token_mask(k_pos, k_pos, MaskSpec(causal=True), doc, doc)
+    for module, args, _kwargs, out in seen:
+        hidden, q_resid, cos_sin = args[:3]
+        q, k, w, scale = half_split_indexer(module, hidden, q_resid, cos_sin)
+        ours = select_topk(indexer_scores(q, k, w, scale), visible, module.index_topk)
+        assert torch.equal(ours, out.long())
