@@ -164,6 +164,8 @@ UNROUTED_REASONS: dict[str, str] = {
 def refuse_unrouted_indexers(model: torch.nn.Module, adapter_for: Callable) -> None:
     """A config with ``index_topk`` (DeepSeek sparse attention) whose model has no layer routed through
     ``DSA_ADAPTERS``: raise naming the model and the reason (before any collective)."""
+    if getattr(model, "config", None) is None:  # not a transformers model: no DSA config
+        return
     routed = set(DSA_ADAPTERS.values())
     for config in text_configs(model):
         topk = getattr(config, "index_topk", None)
