@@ -12,9 +12,12 @@ path (no cache) step by step and keeps every weight of the module; what spans th
     top-k per local query                                 over the S global keys, as in one process
     attention                                             each local query over its selected visible keys
 
-Registered per class in ``DSA_ADAPTERS`` (merged into the layer registry of ``recurrent_layers.py``).
-The families differ only in the indexer's RoPE (half-split for DeepSeek-V3.2, interleaved for GLM-MoE-DSA)
-and in GLM-MoE-DSA's cross-layer sharing (a ``"shared"`` layer reuses the previous layer's top-k).
+Registered per class in ``DSA_ADAPTERS`` (merged into the layer registry of ``recurrent_layers.py``):
+DeepSeek-V3.2, GLM-MoE-DSA, AXK2, dots.3 (its ``indexed_attention`` layers) and HY-V4. What differs per
+family (query projection and gate, latent normalisation, the indexer's RoPE and scaling, sinks) is a
+``DsaFamily`` of ``dsa_families.py``; a ``"shared"`` layer (GLM-MoE-DSA, HY-V4) reuses the previous layer's
+top-k. A model with ``config.index_topk`` and no routed layer is refused by name
+(``refuse_unrouted_indexers``; DeepSeek-V4: compressed keys).
 """
 
 from __future__ import annotations
