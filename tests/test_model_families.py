@@ -5,7 +5,7 @@ plain attention, attention soft-capping and a final logit soft-cap, logit diviso
 attention sinks, sliding windows, per-layer attention types, parallel blocks, MoE routing, a
 composite (multimodal) model on text, MLA head dims, nested decoders, layers that do not forward
 their keyword arguments, routed recurrent layers (gated DeltaNet, KDA, Mamba2, Mamba v1, short
-convolutions), routed ALiBi attentions, positions a family derives from the token ids (a position rule),
+convolutions), DeepSeek sparse attention, routed ALiBi attentions, positions a family derives from the token ids (a position rule),
 chunked attention (Llama 4); and every kind of refusal: a recurrent layer kind without an adapter, token
 mixing outside the attention (the probe names the module), attention computed inline, another loss
 convention, indexed (QSA) attention, Doge's dynamic mask, a learned score bias. The slow suite
@@ -61,6 +61,13 @@ EXPECTED = {
     "bloom": "exact",  # ALiBi: an attention that computes scores itself, routed (integrations/attention_layers.py)
     "mpt": "exact",  # ALiBi from a bias table over max_seq_len
     "inkling2_text": "refused",  # position_bias: a learned relative bias conditioned on each query's states
+    "deepseek_v32": "exact",  # DeepSeek sparse attention: top-k indexer over the gathered sequence (docs/dsa.md)
+    "glm_moe_dsa": "exact",  # DSA, interleaved indexer RoPE
+    "axk2": "exact",  # DSA, fused query + output gate
+    "dots3_note": "exact",  # DSA on indexed layers (composite), sliding / full layers through the attention
+    "dots3_note_text": "exact",
+    "hy_v4": "exact",  # DSA with a shared-top-k layer, attention sinks, per-head gate, hyper-connections
+    "deepseek_v4": "refused",  # DSA over compressed keys (a learned compressor), not one key per token
 }
 
 

@@ -145,6 +145,21 @@ def layer_chunk(module: torch.nn.Module) -> int | None:
     return chunk if types[index] == "chunked_attention" else None
 
 
+def _check_call(name: str, dropout: float, query: torch.Tensor, key: torch.Tensor) -> None:
+    """Refuse attention dropout and keys that are not one per query token (a KV cache), by name."""
+    if dropout:
+        raise UnsupportedModelError(
+            f"{name}: attention dropout={dropout} is not supported under sequence parallelism; "
+            "set config.attention_dropout=0.0"
+        )
+    if query.shape[2] != key.shape[2]:
+        raise UnsupportedModelError(
+            f"{name}: q_len={query.shape[2]} != k_len={key.shape[2]}: a KV cache is in use, or the layer attends "
+            "to keys that are not one per token (compressed or extra keys); sequence-parallel attention needs one "
+            "key per query token: pass use_cache=False, and generate with an unwrapped model"
+        )
+
+
 def seqpar_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -191,17 +206,7 @@ def seqpar_attention_forward(
     if id(module) in ctx.cross_active:
         return _cross_attention_call(module, name, ctx, query, key, value, dropout, scaling,
                                      sliding_window, softcap, s_aux, is_causal), None  # fmt: skip
-    if dropout:
-        raise UnsupportedModelError(
-            f"{name}: attention dropout={dropout} is not supported under sequence parallelism; "
-            "set config.attention_dropout=0.0"
-        )
-    if query.shape[2] != key.shape[2]:
-        raise UnsupportedModelError(
-            f"{name}: q_len={query.shape[2]} != k_len={key.shape[2]}: a KV cache is in use, or the layer attends "
-            "to keys that are not one per token (compressed or extra keys); sequence-parallel attention needs one "
-            "key per query token: pass use_cache=False, and generate with an unwrapped model"
-        )
+    _check_call(name, dropout, query, key)
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     if sliding_window is _UNSET:  # not passed: the module's window (its mask), or the config's (Phi-MoE)
         sliding_window = _module_window(module)

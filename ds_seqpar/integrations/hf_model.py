@@ -95,12 +95,6 @@ def refuse_unhonoured_features(model: torch.nn.Module) -> None:
                 "its 'chunked_attention' layers: ds_seqpar applies the chunk to the layers those entries name, so "
                 "this model cannot run under ds_seqpar"
             )
-        if getattr(config, "index_topk", None):
-            raise UnsupportedModelError(
-                f"{name}: config.index_topk={config.index_topk} selects keys per query with a learned indexer "
-                "(DeepSeek sparse attention), which ds_seqpar does not split over the sequence; this model cannot "
-                "run under ds_seqpar"
-            )
         if getattr(config, "keep_window_size", None):
             raise UnsupportedModelError(
                 f"{name}: dynamic mask attention (config.keep_window_size={config.keep_window_size}, Doge): each key "

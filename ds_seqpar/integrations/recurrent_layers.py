@@ -24,6 +24,9 @@ convolution weights, norms, gates and output, and hands only what spans the sequ
     MambaMixer, FalconMambaMixer, JambaMambaMixer          conv1d halo + Mamba v1 selective scan (one head per
     (dt / B / C norms), ZambaMambaMixer (per-head B, C)    channel, decay per token and state index)
 
+The DeepSeek sparse attention layers (DeepSeek-V3.2, GLM-MoE-DSA, AXK2, dots.3, HY-V4) are routed the same
+way: their entries come from ``integrations/dsa_adapters.DSA_ADAPTERS`` (docs/dsa.md).
+
 A family is one entry: ``register_recurrent_layer(cls, forward)``. Built-in entries are resolved only
 when their transformers module is already imported (no model module is imported to look one up).
 Softmax layers of the same models go through the ``"ds_seqpar"`` attention implementation. Any other
@@ -42,6 +45,7 @@ from ds_seqpar.integrations import conv_adapters, delta_adapters
 from ds_seqpar.integrations import mamba_adapters as mamba
 from ds_seqpar.integrations import recurrent_adapters as adapters
 from ds_seqpar.integrations.conv_projection_adapters import zaya_cca_forward
+from ds_seqpar.integrations.dsa_adapters import DSA_ADAPTERS, refuse_unrouted_indexers
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
 
 # transformers module, class name -> adapter forward (resolved lazily into REGISTRY)
@@ -93,6 +97,7 @@ BUILTIN_ADAPTERS: dict[tuple[str, str], Callable] = {
     ("transformers.models.lfm2_moe.modeling_lfm2_moe", "Lfm2MoeShortConv"): conv_adapters.short_conv_forward,
     ("transformers.models.lfm3.modeling_lfm3", "Lfm3ShortConv"): conv_adapters.short_conv_forward,
     ("transformers.models.zaya.modeling_zaya", "ZayaCCAProjection"): zaya_cca_forward,
+    **DSA_ADAPTERS,  # DeepSeek sparse attention layers (integrations/dsa_adapters.py)
 }
 REGISTRY: dict[type, Callable] = {}
 UNSUPPORTED_RECURRENT = (
@@ -137,7 +142,9 @@ def supported_layers() -> str:
 
 
 def refuse_recurrent_layers(model: torch.nn.Module) -> None:
-    """Raise ``UnsupportedModelError`` naming the first recurrent layer kind ds_seqpar cannot split."""
+    """Raise ``UnsupportedModelError`` naming the first recurrent layer kind ds_seqpar cannot split (or a
+    DeepSeek sparse attention indexer without a routed layer)."""
+    refuse_unrouted_indexers(model, adapter_for)
     for name, module in model.named_modules():
         cls = type(module).__name__
         if adapter_for(module) is None and any(cls.endswith(bad) for bad in UNSUPPORTED_RECURRENT):

@@ -67,6 +67,7 @@ RUNNERS: dict[str, Runner] = {
 """``ScheduleSpec.runner`` -> how ``ds_seqpar.attention`` runs it (the ring engine, or the team wrapper)."""
 
 
+AGREED_FLAGS = ("causal", "window", "chunk")  # the flags every SP rank must pass alike
 AGREED = (
     "q",
     "k",
@@ -215,16 +216,13 @@ def attention(
     resolve_kernel(
         settings.kernel, q.device, q.dtype, softcap, alibi_slopes is not None
     )  # an unavailable kernel fails here, not mid-collective
-    agree = (
-        (q, k, v, sinks, doc_ids, alibi_slopes),
-        tuple(-1 if x is None else int(x) for x in (causal, window, chunk)),
-    )
+    flags = tuple(-1 if x is None else int(x) for x in (causal, window, chunk))
+    agree = functools.partial(check_same_inputs, mesh, "ds_seqpar.attention", AGREED,
+                              (q, k, v, sinks, doc_ids, alibi_slopes), flags, SAME_SHARDS, AGREED_FLAGS)  # fmt: skip
     doc_ids = _chunked(doc_ids, chunk, seq_len, q.device, settings.attention)  # the mask's documents
     if settings.attention == "sparse_ring" and causal and sparse_layer_active(settings.sparse, layer, step):
         resolve_sparse_kernel(settings.sparse.kernel, q.device, q.dtype)  # fails here, not mid-collective
-        check_same_inputs(
-            mesh, "ds_seqpar.attention", AGREED, *agree, SAME_SHARDS, ("causal", "window", "chunk")
-        )
+        agree()
         mask = dict(window=window, doc_ids=doc_ids, work=work, layer=layer, softcap=softcap, sinks=sinks)
         return sparse_attention(q, k, v, mesh=mesh, layout=layout, schedule=mesh.schedule(), seq_len=seq_len,
                                 softmax_scale=softmax_scale, **mask)  # fmt: skip
@@ -233,12 +231,10 @@ def attention(
         plan = dataclasses.replace(
             grouped_plan(mesh, layout, mask, doc_ids, work, softcap), alibi=alibi_slopes
         )
-        check_same_inputs(
-            mesh, "ds_seqpar.attention", AGREED, *agree, SAME_SHARDS, ("causal", "window", "chunk")
-        )
+        agree()
         return grouped_attention(q, k, v, plan, softmax_scale, sinks)
     plan = _ring_plan(mesh, layout, mask, doc_ids, work, softcap)
-    check_same_inputs(mesh, "ds_seqpar.attention", AGREED, *agree, SAME_SHARDS, ("causal", "window", "chunk"))
+    agree()
     return _ulysses_over_ring(q, k, v, mesh, plan, softmax_scale, sinks, alibi_slopes)
 
 

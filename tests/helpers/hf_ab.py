@@ -184,8 +184,10 @@ def deepspeed_ab(
                 if not p_ref.requires_grad:
                     continue
                 grad = deepspeed.utils.safe_get_full_grad(p)
-                if p_ref.grad is None:  # unused (RoBERTa's lm_head.bias): no gradient under SP either
-                    worst = max(worst, 0.0 if grad is None else grad.abs().max().item())
+                if (
+                    p_ref.grad is None
+                ):  # unused (RoBERTa's lm_head.bias) or untrained (a DSA indexer, no_grad)
+                    assert grad is None or not grad.any(), "a gradient where the plain model has none"
                     continue
                 floor = grad_floor(engine.module.objective, kind, ref)
                 worst = max(worst, rel_err(grad, p_ref.grad, floor))

@@ -37,6 +37,8 @@ HYBRID_MODELS = ("qwen3_next", "qwen3_5", "kimi_linear", "nemotron_h", "bamba", 
                  "mamba", "falcon_mamba", "jamba", "zamba", "mamba2", "falcon_h1")  # fmt: skip
 # families with ALiBi attentions ds_seqpar routes (integrations/attention_layers.py), built by benchmarks/tiny_configs.py
 ALIBI_MODELS = ("bloom", "mpt")
+# DeepSeek sparse attention (MLA + a top-k indexer, routed by integrations/dsa_adapters.py), built likewise
+DSA_MODELS = ("deepseek_v32",)
 MASK_ID = 4  # the tiny encoders' mask token
 # BERT-style decoders (is_decoder=True) whose positions come from a position rule (ds_seqpar/integrations/
 # positions.py: RoBERTa's padding offset; pad token 1), built by benchmarks/tiny_configs.py
@@ -126,7 +128,17 @@ def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
     :data:`ENCODER_MODELS` gives :func:`tiny_encoder`, one of :data:`HYBRID_MODELS` (or :data:`BERT_DECODERS`) the sweep's tiny model."""
     if kind in ENCODER_MODELS:
         return tiny_encoder(kind, seed)
-    if kind in HYBRID_MODELS or kind in BERT_DECODERS or kind in ALIBI_MODELS:
+    if kind in DSA_MODELS and overrides:  # config fields of the tiny model (e.g. more indexer heads)
+        from benchmarks.tiny_configs import tiny_config
+
+        cfg = tiny_config(kind)
+        for key, value in overrides.items():
+            setattr(cfg, key, value)
+        torch.manual_seed(seed)
+        model = transformers_class(kind)(cfg).float().train()
+        model.set_attn_implementation("sdpa")
+        return model
+    if kind in HYBRID_MODELS or kind in BERT_DECODERS or kind in ALIBI_MODELS or kind in DSA_MODELS:
         from benchmarks.tiny_configs import build_tiny_model
 
         model = build_tiny_model(kind, seed=seed)
@@ -203,6 +215,14 @@ def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
             if name.endswith(".sinks"):
                 param.normal_()
     return model
+
+
+def transformers_class(kind: str) -> type:
+    """The causal-LM class of a model type."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])
 
 
 def batches(num: int, batch_size: int, seq_len: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
