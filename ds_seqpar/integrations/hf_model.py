@@ -102,7 +102,7 @@ def refuse_unhonoured_features(model: torch.nn.Module) -> None:
                 "top keep_window_size keys by that bias, chosen over the whole row; ds_seqpar's kernels take no "
                 "per-key learned bias and no such selection, so this model cannot run under ds_seqpar"
             )
-        if "indexed_attention" in layer_types:
+        if "indexed_attention" in layer_types and not getattr(config, "index_topk", None):  # QSA, not DSA
             raise UnsupportedModelError(
                 f"{name}: config.layer_types has indexed_attention layers (Qwen4-Exp QSA: a learned indexer selects "
                 f"indexer_budget={getattr(config, 'indexer_budget', None)} compressed key blocks per query over the "
