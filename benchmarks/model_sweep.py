@@ -139,6 +139,50 @@ def _versions() -> dict[str, str]:
     }
 
 
+# What is left refused, grouped by cause: (a phrase of the refusal message, the cause as docs/models.md states it)
+CAUSES = (
+    ("bidirectional (is_causal=False)", "an encoder, not a causal LM: train it with `SeqParMaskedLM`"),
+    (
+        "is not the next-token cross-entropy",
+        "its own loss does not shift the labels (a decoder of an encoder-decoder, XLNet's permutation LM): "
+        "`SeqParSeq2SeqLM` for encoder-decoders",
+    ),
+    ("index_topk", "DeepSeek sparse attention (a learned indexer selects keys per query)"),
+    ("dynamic mask attention", "a learned per-key bias with a top-k key selection over the whole row (Doge)"),
+    ("recurrent layer", "a recurrent layer without an adapter"),
+    (
+        "treats a token differently",
+        "a token treated differently in a shard, outside the attention (the probe)",
+    ),
+    ("passed position_bias", "a bias tensor over the whole [S, S] passed to the attention"),
+    ("passed attention_mask", "an explicit [S, S] mask passed to the attention"),
+    ("Conv1d", "a convolution over the sequence outside a routed layer"),
+)
+
+
+def refusal_cause(detail: str) -> str:
+    """The cause of a refusal (``CAUSES``), else its message without the class name."""
+    for phrase, cause in CAUSES:
+        if phrase in detail:
+            return cause
+    return detail.split(": ", 1)[-1][:120]
+
+
+def _left_refused(rows: list[dict]) -> list[str]:
+    """Markdown lines: the refused and skipped types grouped by cause, most types first."""
+    groups: dict[str, list[str]] = {}
+    for r in rows:
+        if r["status"] == "refused":
+            groups.setdefault(refusal_cause(r["detail"]), []).append(r["type"])
+        elif r["status"] == "skipped":
+            groups.setdefault(f"skipped: {r['detail'][:100]}", []).append(r["type"])
+    lines = ["## Left refused, by cause", "", "| cause | types |", "|---|---|"]
+    for cause, types in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        cause = cause.replace("|", "\\|")
+        lines.append(f"| {cause} | {len(types)}: {', '.join(f'`{t}`' for t in types)} |")
+    return [*lines, ""]
+
+
 def write_markdown(rows: list[dict], path: Path, seconds: float) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as NAMES
 
@@ -166,6 +210,9 @@ def write_markdown(rows: list[dict], path: Path, seconds: float) -> None:
         "| result | types |",
         "|---|---|",
         *(f"| {s} | {n} |" for s, n in counts.items()),
+        "",
+        *_left_refused(rows),
+        "## Every type",
         "",
         "| type | class | result | detail |",
         "|---|---|---|---|",

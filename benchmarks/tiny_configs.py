@@ -167,6 +167,18 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
         }
     },
 }
+# RoBERTa-style encoders whose *ForCausalLM class is a causal LM only with is_decoder=True (transformers
+# warns "add is_decoder=True"); without it their attention is bidirectional, an encoder, which
+# SeqParCausalLM refuses by name.
+_OVERRIDES.update(
+    {
+        t: {"is_decoder": True}
+        for t in (
+            "roberta", "roberta-prelayernorm", "camembert", "xlm-roberta", "xlm-roberta-xl", "data2vec-text", "xmod",
+        )
+    }
+)  # fmt: skip
+
 # Types whose causal-LM class cannot train on text-only input_ids.
 _UNSUPPORTED: dict[str, str] = {
     "git": "GitForCausalLM's loss drops the image-token positions: needs pixel_values",

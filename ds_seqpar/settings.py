@@ -333,11 +333,29 @@ def _check_world(section: Any, world: int) -> None:
     check_size_divides(section.size, world)
 
 
+def _attention_free_ulysses(wanted: Any, attention: str, size: int) -> int:
+    """U of a model without attention heads (Mamba, Mamba2): as set; its recurrent layers check U against
+    their own heads / channels at their first call, before any collective (docs/delta.md)."""
+    if wanted != "auto":
+        return wanted
+    if attention == "ring":
+        return 1
+    if attention == "ulysses":
+        return size
+    raise SeqParConfigError(
+        'model config has num_attention_heads=None, and ulysses_degree="auto" needs head counts (pass the '
+        "model's config, e.g. model.config); an attention-free model such as Mamba has none: set an integer "
+        "sequence_parallel.ulysses_degree (its recurrent layers split their heads / channels U ways)"
+    )
+
+
 def _resolve_ulysses(section: Any, model_config: Any) -> int:
     """U: the section's, or ``"auto"`` by the attention algorithm and the model's head counts; checked
     against the query heads when the model is known."""
     wanted, attention = section.ulysses_degree, section.attention
     needs_heads = attention in ("usp", "sparse_ring")
+    if model_config is not None and model_value(model_config, "num_attention_heads") is None:
+        return _attention_free_ulysses(wanted, attention, section.size)
     if wanted == "auto" and model_config is None and needs_heads:
         raise SeqParConfigError(
             'sequence_parallel.ulysses_degree="auto" needs the model\'s head counts; '

@@ -135,12 +135,15 @@ def _moe_aux_loss():
 
 
 CASES: dict[str, tuple[Callable[[], object], str]] = {
-    "attention_keyword_from_the_model": (lambda: _decoder_keyword(position_bias=torch.zeros(1, 4, 16, 16)), r"LlamaAttention \(layer 0\) passed position_bias=<tensor \(1, 4, 16, 16\).*honours dropout, scaling, sliding_window, softcap, s_aux, is_causal"),
+    "attention_keyword_from_the_model": (lambda: _decoder_keyword(relative_bias=torch.zeros(1, 4, 16, 16)), r"LlamaAttention \(layer 0\) passed relative_bias=<tensor \(1, 4, 16, 16\).*honours dropout, scaling, sliding_window, softcap, s_aux, alibi_slopes, is_causal"),
+    "attention_position_bias": (lambda: _decoder_keyword(position_bias=torch.zeros(1, 4, 16, 16)), r"passed position_bias=<tensor \(1, 4, 16, 16\).*: an additive \[B, H, S, S\] score bias.*return its gradient"),
     "attention_keyword_varlen": (lambda: _attention_call(cu_seq_lens_q=torch.tensor([0, 8])), r"\(layer 3\) passed cu_seq_lens_q=<tensor \(2,\) torch.int64>"),
     "attention_mask_reaches_attention": (lambda: _attention_call(attention_mask=torch.zeros(1, 1, 8, 8)), r"passed attention_mask of shape \(1, 1, 8, 8\).*cannot honour an explicit mask"),
     "attention_sinks_wrong_size": (lambda: _attention_call(s_aux=torch.zeros(3)), r"s_aux=<tensor \(3,\).*one logit per query head \(4 values\)"),
     "sinks_wrong_shape": (lambda: _attn(sinks=torch.zeros(3)), r"sinks must be a float tensor \[H\].*H=4\); got \(3,\)"),
     "softcap_negative": (lambda: _attn(softcap=-1.0), r"softcap=-1.0 is invalid: use a number > 0"),
+    "alibi_slopes_wrong_shape": (lambda: _attn(alibi_slopes=torch.ones(3)), r"alibi_slopes must be a float tensor \[H\] \(H=4\); got \(3,\)"),
+    "alibi_with_sparse_ring": (lambda: _attn(mesh=_mesh(u=1, layout=None, attention="sparse_ring", sparse={"block_size": 4}), alibi_slopes=torch.ones(4)), r"alibi_slopes with attention='sparse_ring': the sparse block kernels take no position bias"),
     "softcap_with_sdpa_kernel": (lambda: _attn(mesh=_mesh(kernel="sdpa"), softcap=2.0), r"kernel='sdpa' cannot apply softcap=2.0.*valid here .*auto, torch"),
     "model_input_not_text": (lambda: _lm(pixel_values=torch.zeros(1, 3, 8, 8)), r"got inputs \['pixel_values'\].*token ids only"),
     "moe_router_aux_loss": (_moe_aux_loss, r"output_router_logits=True adds the MoE load-balancing loss.*set model.config.output_router_logits=False"),

@@ -208,6 +208,16 @@ def test_validate_against_model_and_world(section, model, world, message):
         parse_section(section).validate(model, world)
 
 
+def test_attention_free_model_takes_the_set_ulysses_degree():
+    """A config without num_attention_heads (Mamba): U as set (its recurrent layers check it); "auto" with
+    attention "ring" is 1."""
+    assert (
+        parse_section({"size": 4, "ulysses_degree": 2}).validate({"hidden_size": 64}, 4).ulysses_degree == 2
+    )
+    ring = {"size": 4, "attention": "ring"}
+    assert parse_section(ring).validate({"hidden_size": 64}, 4).ulysses_degree == 1
+
+
 def test_bad_files_and_top_level(tmp_path):
     with pytest.raises(
         SeqParConfigError, match=r"'missing\.json' does not exist; valid: a path .*ds_configs/usp_zero3\.json"

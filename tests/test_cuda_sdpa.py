@@ -44,13 +44,21 @@ def test_meta_calls_have_the_engine_layout(kind, d, dtype, h_kv):
     q = torch.empty(b, sq, h, d, device="meta", dtype=dtype)
     k = torch.empty(b, sk, h_kv, d, device="meta", dtype=dtype)
     mask = _mask(kind, b, sq, sk, "meta")
-    out, lse = cuda_sdpa.forward(q, k, k, 0.125, mask, kind == "causal")
-    assert (out.shape, out.dtype) == ((b, sq, h, d), dtype)
-    assert (lse.shape, lse.dtype) == ((b, h, sq), torch.float32)
-    dout = torch.empty(b, sq, h, d, device="meta", dtype=torch.float32)
-    dq, dk, dv = cuda_sdpa.backward(dout, q, k, k, out.float(), lse, 0.125, mask, kind == "causal")
-    assert (dq.shape, dq.dtype) == ((b, sq, h, d), dtype)
-    assert dk.shape == dv.shape == (b, sk, h_kv, d) and dk.dtype == dtype
+    from ds_seqpar.ops.attention import Alibi
+
+    alibi = Alibi(
+        torch.empty(h, device="meta"), torch.arange(sq, device="meta"), torch.arange(sk, device="meta")
+    )
+    for bias in ({}, {"alibi": alibi}):  # ALiBi: the efficient op in float32 with a per-head bias
+        out, lse = cuda_sdpa.forward(q, k, k, 0.125, mask, kind == "causal", **bias)
+        assert (out.shape, out.dtype) == ((b, sq, h, d), dtype)
+        assert (lse.shape, lse.dtype) == ((b, h, sq), torch.float32)
+        dout = torch.empty(b, sq, h, d, device="meta", dtype=torch.float32)
+        dq, dk, dv = cuda_sdpa.backward(
+            dout, q, k, k, out.float(), lse, 0.125, mask, kind == "causal", **bias
+        )
+        assert (dq.shape, dq.dtype) == ((b, sq, h, d), dtype)
+        assert dk.shape == dv.shape == (b, sk, h_kv, d) and dk.dtype == dtype
 
 
 def test_flash_op_for_unmasked_half_precision_else_efficient():
@@ -220,3 +228,48 @@ def test_half_precision_efficient_blocks_off_32_run_in_fp32(monkeypatch, sq, sk,
     assert (out.double() - ref).abs().max() <= 3e-2 * ref.abs().max()
     for got, want in zip(grads, leaves, strict=True):
         assert (got.double() - want.grad).abs().max() <= 3e-2 * want.grad.abs().max()
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype", "h_kv"), list(itertools.product(KINDS, (torch.bfloat16, torch.float32), (4, 2)))
+)
+def test_alibi_against_stand_ins_equals_reference(monkeypatch, kind, dtype, h_kv):
+    """ALiBi: every block on the efficient op in float32 with the per-head bias (causality folded in), also
+    through the flash_attn kernel, whose ALiBi blocks all go to cuda_sdpa."""
+    from ds_seqpar.ops.attention import Alibi, flash_attn_kernel
+
+    monkeypatch.setattr(torch.ops, "aten", STAND_INS, raising=True)
+    b, h, sq, d = 2, 4, 37, 16
+    sk = sq if kind == "causal" else 29
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (
+        torch.randn(b, s, n, d, generator=g, dtype=torch.float64)
+        for s, n in ((sq, h), (sk, h_kv), (sk, h_kv))
+    )
+    dout = torch.randn(b, sq, h, d, generator=g, dtype=torch.float64)
+    mask = _mask(kind, b, sq, sk, "cpu")
+    ref_mask = torch.ones(sq, sk, dtype=torch.bool).tril() if kind == "causal" else mask
+    slopes, q_pos, k_pos = 2.0 ** -torch.arange(1.0, h + 1), torch.arange(sq) + 40, torch.arange(sk) * 3
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = dense_attention_reference(
+        *leaves, ref_mask, scale=0.3, alibi=Alibi(slopes.double(), q_pos, k_pos)
+    )
+    ref.backward(dout)
+    alibi, finite = Alibi(slopes, q_pos, k_pos), torch.where(torch.isinf(ref_lse), 0.0, ref_lse)
+    q_l, k_l, v_l = (t.to(dtype) for t in (q, k, v))
+    flash = flash_attn_kernel(cuda_sdpa.CUDA_SDPA, KERNELS["torch"], unavailable=lambda device, dtype: None)
+    assert flash.alibi
+    tol = 1e-5 if dtype == torch.float32 else 3e-1  # bf16 inputs rounded; the op runs in float32
+    EFFICIENT_DTYPES.clear()
+    for kern in (cuda_sdpa.CUDA_SDPA, flash):
+        out, lse = kern.forward(q_l, k_l, v_l, 0.3, mask, kind == "causal", None, alibi=alibi)
+        grads = kern.backward(
+            dout, q_l, k_l, v_l, ref.detach(), finite, 0.3, mask, kind == "causal", None, alibi=alibi
+        )
+        assert out.dtype == dtype and torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+        assert (out.double() - ref).abs().max() <= tol
+        assert (lse.double() - ref_lse).nan_to_num(0.0).abs().max() <= tol
+        for got, want in zip(grads, leaves, strict=True):
+            assert got.shape == want.shape and got.dtype == dtype
+            assert (got.double() - want.grad).abs().max() <= tol * max(1.0, want.grad.abs().max().item())
+    assert set(EFFICIENT_DTYPES) == {torch.float32}  # every call: the efficient op, in float32

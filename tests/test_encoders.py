@@ -84,17 +84,26 @@ def roberta_error() -> str:
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
         max_position_embeddings=80, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )  # fmt: skip
+    lm = SeqParMaskedLM(transformers.RobertaForMaskedLM(cfg), sp_mesh(1))  # accepted: a position rule
+    ids = torch.arange(5, 21)[None]
+    packed = {
+        "input_ids": ids,
+        "labels": ids,
+        "position_ids": torch.cat([torch.arange(6), torch.arange(10)])[None],
+    }
     with pytest.raises(UnsupportedModelError) as err:
-        SeqParMaskedLM(transformers.RobertaForMaskedLM(cfg), sp_mesh(1))
+        lm(**shard_batch(packed, lm.mesh, objective="masked"))
     return str(err.value)
 
 
-def test_an_encoder_in_the_causal_wrapper_and_roberta_positions_are_refused_by_name(dist_pool):
+def test_an_encoder_in_the_causal_wrapper_and_roberta_packed_rows_are_refused_by_name(dist_pool):
     pool = dist_pool(4)
     message = pool.run(causal_wrapper_on_encoder_error)[0]
     assert "next-token" in message and "SeqParMaskedLM" in message, message
-    message = pool.run(roberta_error)[0]
-    assert "RobertaForMaskedLM" in message and "padding offset" in message, message
+    message = pool.run(roberta_error)[0]  # RoBERTa's positions come from the ids: no numbering of packed rows
+    assert "RobertaForMaskedLM" in message and "padding_idx" in message and "packed documents" in message, (
+        message
+    )
 
 
 def test_objective_follows_the_model_class():

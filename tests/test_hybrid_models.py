@@ -1,4 +1,5 @@
-"""Hybrid HF models whose recurrent layers ds_seqpar routes (gated DeltaNet, KDA, Mamba2) equal the plain model.
+"""HF models whose recurrent layers ds_seqpar routes (GDN, KDA, Mamba2, Mamba v1, short convs, ZAYA's convolved
+projections) equal the plain model.
 
 Tiny float32 models from ``benchmarks/tiny_configs.py`` (softmax layers through the ``"ds_seqpar"``
 attention, recurrent layers through the registry's adapters), 4 gloo ranks: one forward/backward over
@@ -17,13 +18,17 @@ from ds_seqpar.integrations.recurrent_layers import REGISTRY, adapter_for, route
 from tests.helpers.hf_ab import deepspeed_ab, sp_vs_reference
 from tests.helpers.hf_models import HYBRID_MODELS, batches
 
+# the others: slow suite
 DEFAULT_ZERO3 = (
     "qwen3_next",
     "kimi_linear",
     "nemotron_h",
     "bamba",
+    "olmo_hybrid",
+    "lfm2",
+    "mamba",
     "recurrent_gemma",
-)  # the others: slow suite
+)
 # configs without num_attention_heads: ds_seqpar.initialize refuses them (settings.head_counts); their
 # recurrent layers run under SP (forward/backward A/B below), the ZeRO-3 path waits for a head-count rule
 NO_HEAD_COUNT = ("rwkv", "xlstm")
@@ -34,10 +39,39 @@ CASES = [
     ("nemotron_h", 1, "zigzag", 64),  # Mamba2 + MoE + attention + MLP-only layers
     ("bamba", 2, "contiguous", 64),
     ("granitemoehybrid", 2, "zigzag", 64),
-    ("zamba2", 1, "zigzag", 64),  # its tiny Mamba layers have one head: U = 1
+    ("zamba2", 2, "zigzag", 64),  # one Mamba2 head < U: split along head_dim
+    ("olmo_hybrid", 2, "zigzag", 62),  # GDN with allow_neg_eigval (beta in [0, 2]), g_proj gate
+    ("bailing_hybrid", 2, "contiguous", 64),  # KDA with the safe (bounded sigmoid) forget gate
+    ("lfm2", 2, "zigzag", 62),  # gated short conv: the conv halo only, no scan
+    ("zaya", 2, "zigzag", 62),  # q/k convolutions and the value shift: halos over zigzag runs, end padding
+    ("zaya", 1, "stripe", 64),  # R 4, stripes of one token: every halo row from another rank
     ("recurrent_gemma", 2, "zigzag", 62),  # RG-LRU (diagonal scan) + conv1d halo + sliding attention
     ("rwkv", 2, "contiguous", 64),  # token shifts (one halo row) + WKV (exclusive diagonal scan)
     ("xlstm", 2, "zigzag", 62),  # mLSTM: max-stabiliser (gathered max-plus maps) + C / n state All-Scan
+]
+STRONG_DT = dict(time_step_min=0.2, time_step_max=0.5)  # Mamba v1: dt·B·x well above the D skip
+MAMBA_CASES = [
+    ("mamba", 2, "zigzag", 62, STRONG_DT),  # Mamba v1, end padding
+    ("falcon_mamba", 1, "contiguous", 64, STRONG_DT),  # weightless RMS norms on dt, B, C
+    ("jamba", 2, "contiguous", 62, {}),  # dt / B / C RMS norms with weights; attention + MoE layers
+    ("zamba", 2, "zigzag", 64, STRONG_DT),  # two Mamba heads: per-head x_proj / dt_proj, B and C
+    ("mamba2", 2, "zigzag", 62, {}),
+    (  # muP multipliers on the mixer's input and on each section of in_proj, gated RMSNorm on
+        "falcon_h1",
+        2,
+        "zigzag",
+        64,
+        dict(
+            ssm_in_multiplier=0.6,
+            ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.7],
+            ssm_out_multiplier=1.3,
+            mamba_rms_norm=True,
+            mamba_norm_before_gate=False,
+            mamba_d_ssm=128,  # smaller than the sweep's tiny mixer: 16 heads of 8, state 16
+            mamba_n_heads=16,
+            mamba_d_state=16,
+        ),
+    ),
 ]
 
 
@@ -50,14 +84,21 @@ def test_forward_backward_equals_plain_model(dist_pool, kind, u, layout, seq_len
         assert rep["grad_rel_err"] <= 1e-5, rep
 
 
+@pytest.mark.parametrize(("kind", "u", "layout", "seq_len", "overrides"), MAMBA_CASES)
+def test_mamba_mixers_equal_plain_model(dist_pool, kind, u, layout, seq_len, overrides):
+    batch = batches(1, 2, seq_len)[0]
+    for rep in dist_pool(4).run(sp_vs_reference, kind, u, layout, batch, overrides):
+        assert rep["finite"], rep
+        assert rep["loss_err"] <= 1e-5, rep
+        assert rep["grad_rel_err"] <= 1e-5, rep
+
+
+ZERO3 = [(kind, 2) for kind in HYBRID_MODELS if kind not in NO_HEAD_COUNT]  # U 2 x R 2
+ZERO3 += [("olmo_hybrid", 1), ("lfm2", 1), ("mamba", 1), ("recurrent_gemma", 1)]  # and R 4
+
+
 @pytest.mark.parametrize(
-    ("kind", "u"),
-    [
-        (k, u) if k in DEFAULT_ZERO3 else pytest.param(k, u, marks=pytest.mark.slow)
-        for k in HYBRID_MODELS
-        if k not in NO_HEAD_COUNT
-        for u in ((1, 2) if k == "recurrent_gemma" else (1,) if k == "zamba2" else (2,))
-    ],  # zamba2's tiny Mamba layers have one head; recurrent_gemma at U2 x R2 and R4
+    ("kind", "u"), [c if c[0] in DEFAULT_ZERO3 else pytest.param(*c, marks=pytest.mark.slow) for c in ZERO3]
 )
 def test_zero3_training_matches_plain_model(dist_pool, kind, u):
     for rep in dist_pool(4).run(deepspeed_ab, kind, 4, u, 3, 5, 64, 0.5):

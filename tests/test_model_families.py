@@ -4,9 +4,11 @@ The default suite runs a fixed subset that covers every mechanism ds_seqpar hono
 plain attention, attention soft-capping and a final logit soft-cap, logit divisors and scales,
 attention sinks, sliding windows, per-layer attention types, parallel blocks, MoE routing, a
 composite (multimodal) model on text, MLA head dims, nested decoders, layers that do not forward
-their keyword arguments, routed recurrent layers (gated DeltaNet, KDA, Mamba2); and every kind of
-refusal: Mamba (v1) layers, convolutions, positions derived outside ``position_ids``, another loss
-convention, chunked attention, a window that only lives in a mask. The slow suite
+their keyword arguments, routed recurrent layers (gated DeltaNet, KDA, Mamba2, Mamba v1, short
+convolutions), DeepSeek sparse attention, routed ALiBi attentions, positions a family derives from the token ids (a position rule),
+chunked attention (Llama 4); and every kind of refusal: a recurrent layer kind without an adapter, token
+mixing outside the attention (the probe names the module), attention computed inline, another loss
+convention, indexed (QSA) attention, Doge's dynamic mask, a learned score bias. The slow suite
 runs ``benchmarks/model_sweep.py`` over every causal-LM type of the installed transformers.
 """
 
@@ -36,15 +38,38 @@ EXPECTED = {
     "qwen3_next": "exact",  # gated DeltaNet layers (conv1d halo + matrix All-Scan), MoE
     "kimi_linear": "exact",  # Kimi Delta Attention: per-channel decay
     "nemotron_h": "exact",  # Mamba2 mixers, MLP-only layers
-    "xlstm": "exact",  # mLSTM blocks: the max-stabiliser chained exactly, C / n scanned
-    "rwkv": "exact",  # RWKV-4: token shifts + WKV (numerator and denominator as one diagonal scan)
+    "olmo_hybrid": "exact",  # gated DeltaNet with beta in [0, 2] (allow_neg_eigval)
+    "lfm2": "exact",  # gated short convolutions (conv halo only)
+    "zaya": "exact",  # causal Conv1d inside the attention's projections: halo exchange (a routed layer)
+    "mamba": "exact",  # Mamba v1 selective scan (one head per channel), attention-free
+    "falcon_mamba": "exact",  # Mamba v1 with RMS norms on dt, B, C
+    "jamba": "exact",  # Mamba v1 + attention + MoE
+    "zamba": "exact",  # Mamba v1 with per-head B, C and a shared attention block
+    "mamba2": "exact",  # Mamba2 mixers, attention-free
+    "falcon_h1": "exact",  # Mamba2 + attention in parallel, muP multipliers
+    "zamba2": "exact",  # one Mamba2 head < U = 2: split along head_dim
     "recurrent_gemma": "exact",  # RG-LRU (diagonal scan, reset at position 0) + conv1d halo, sliding attention
-    "jamba": "refused",  # Mamba (v1) layers
-    "zaya": "refused",  # a causal Conv1d inside the attention's projections
-    "roberta": "refused",  # positions derived from padding (probe: a shard differs from the whole)
+    "rwkv": "exact",  # RWKV-4: token shifts + WKV (numerator and denominator as one diagonal scan)
+    "xlstm": "exact",  # mLSTM blocks: the max-stabiliser chained exactly, C / n scanned
+    "roberta": "exact",  # as a decoder: positions from the token ids (padding offset), a position rule
+    "blt": "refused",  # hashed byte n-grams of the preceding tokens (probe: the first diverging module)
+    "openai-gpt": "refused",  # attention computed inline, not through transformers' attention interface
     "whisper": "refused",  # its loss does not shift the labels
-    "llama4": "refused",  # chunked attention (a mask ds_seqpar does not receive)
-    "phimoe": "refused",  # sliding window only in the mask, never passed to the attention
+    "llama4": "exact",  # chunked attention (documents cut at chunk borders), NoPE layers' query temperature
+    "phimoe": "exact",  # sliding window only in the mask: read from the config (WINDOW_FROM_CONFIG)
+    "doge": "refused",  # a learned per-key bias and a top-k key selection over the whole row
+    "moshi": "exact",  # config.sliding_window that its mask never applies (WINDOW_UNUSED)
+    "qwen4_exp_text": "refused",  # QSA indexed attention (learned selection of compressed key blocks)
+    "bloom": "exact",  # ALiBi: an attention that computes scores itself, routed (integrations/attention_layers.py)
+    "mpt": "exact",  # ALiBi from a bias table over max_seq_len
+    "inkling2_text": "refused",  # position_bias: a learned relative bias conditioned on each query's states
+    "deepseek_v32": "exact",  # DeepSeek sparse attention: top-k indexer over the gathered sequence (docs/dsa.md)
+    "glm_moe_dsa": "exact",  # DSA, interleaved indexer RoPE
+    "axk2": "exact",  # DSA, fused query + output gate
+    "dots3_note": "exact",  # DSA on indexed layers (composite), sliding / full layers through the attention
+    "dots3_note_text": "exact",
+    "hy_v4": "exact",  # DSA with a shared-top-k layer, attention sinks, per-head gate, hyper-connections
+    "deepseek_v4": "refused",  # DSA over compressed keys (a learned compressor), not one key per token
 }
 
 

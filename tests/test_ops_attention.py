@@ -618,3 +618,65 @@ def test_merge_in_place_lean_path_equals_merge_bitwise(consume: bool) -> None:
     got = acc_out[:, 4:12]
     assert not got.isnan().any()
     assert torch.equal(got, want_out.nan_to_num(0.0)) and torch.equal(acc_lse[:, :, 4:12], want_lse)
+
+
+# ----------------------------------------------------------------------------------------------
+# ALiBi (docs/kernels.md "ALiBi")
+
+ALIBI_MASKS = [
+    "full",
+    "causal_flag",
+    "causal_flag_rect",
+    "docs_odd_padded",
+    "batch_docs",
+    "random_empty_rows",
+]
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES[:-1])  # flash_attn refuses ALiBi (test below)
+@pytest.mark.parametrize(("h", "hkv"), [HEADS[1], HEADS[3]])
+@pytest.mark.parametrize("mask_name", ALIBI_MASKS)
+def test_kernel_alibi_matches_dense_reference(case: KernelCase, h: int, hkv: int, mask_name: str) -> None:
+    """slopes[h] · (k_pos - q_pos) from global positions (per-row key positions on one side) vs fp64."""
+    from ds_seqpar.ops.attention import Alibi
+
+    mc = MASK_CASES[mask_name]
+    q, k, v, dout = _inputs(mc.sq, mc.sk, h, hkv, case.dtype, case.device, seed=3)
+    q_pos = torch.arange(mc.sq) + 37
+    k_pos = torch.stack([torch.arange(mc.sk) * 2, torch.arange(mc.sk) + 5])  # [B, Sk], non-consecutive
+    slopes = 2.0 ** -torch.arange(1.0, h + 1)
+    alibi = Alibi(slopes.to(case.device), q_pos.to(case.device), k_pos.to(case.device))
+    mask = None if mc.mask is None else mc.mask.to(case.device)
+    kw = {"mask": mask, "causal": mc.causal, "kernel": case.kernel, "alibi": alibi}
+    out, lse = block_attn_forward(q, k, v, **kw)
+    grads = block_attn_backward(dout, q, k, v, out, lse, **kw)
+    leaves = [x.detach().cpu().double().requires_grad_() for x in (q, k, v)]
+    ref, ref_lse = dense_attention_reference(
+        *leaves, mc.dense_mask(), alibi=Alibi(slopes.double(), q_pos, k_pos)
+    )
+    ref.backward(dout.cpu().double())
+    # native bf16 (sdpa): the bias sharpens rows, and bf16 probabilities before P @ V err up to ~6e-2
+    tol = 2 * case.tol if case.dtype == torch.bfloat16 and case.kernel == "sdpa" else case.tol
+    for name, got, want in zip(
+        ("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (ref, ref_lse, *(x.grad for x in leaves))
+    ):
+        err = _max_err(got, want.detach())
+        assert err <= tol, f"{name}: max abs error {err:.3g} > {tol}"
+
+
+def test_alibi_auto_choice_and_refusals() -> None:
+    """auto picks a kernel that applies ALiBi; a kernel without it is refused by name."""
+    import dataclasses
+
+    from ds_seqpar.ops.attention import Alibi, kernel_for
+
+    assert available_kernels("cpu", torch.float32, alibi=True) == ["sdpa", "torch"]
+    assert available_kernels("cuda", torch.bfloat16, alibi=True)[-2:] == ["cuda_sdpa", "torch"]
+    plain = dataclasses.replace(torch_chunked_kernel(), name="plain", alibi=False)
+    with pytest.raises(
+        ValueError, match=r"kernel='plain' cannot apply ALiBi .*valid here .*: auto, sdpa, torch"
+    ):
+        kernel_for(plain, "cpu", torch.float32, alibi=True)
+    q = torch.zeros(1, 4, 2, D)
+    with pytest.raises(ValueError, match=r"alibi slopes \(3,\).*do not fit H=2"):
+        block_attn_forward(q, q, q, alibi=Alibi(torch.ones(3), torch.arange(4), torch.arange(4)))

@@ -1,7 +1,8 @@
-"""Attention logit soft-capping (Gemma 2) and attention sinks (gpt-oss) on every attention path.
+"""Attention logit soft-capping (Gemma 2), attention sinks (gpt-oss) and ALiBi (BLOOM, MPT) on every
+attention path.
 
-Each case shards random q, k, v over P gloo ranks, runs ``ds_seqpar.attention`` with ``softcap`` and /
-or ``sinks`` under one algorithm (USP, Ulysses pipelined and not, ring p2p / all-gather / double ring,
+Each case shards random q, k, v over P gloo ranks, runs ``ds_seqpar.attention`` with ``softcap``, ``sinks``
+and / or ``alibi_slopes`` under one algorithm (USP, Ulysses pipelined and not, ring p2p / all-gather / double ring,
 sparse ring), and compares this rank's out, dq, dk, dv and the SP group's summed sink gradient with
 the single-process reference (``dense_attention_reference`` / ``sparse_attention_reference``).
 """
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import ds_seqpar
-from ds_seqpar.ops.attention import block_attn_backward, block_attn_forward
+from ds_seqpar.ops.attention import Alibi, block_attn_backward, block_attn_forward
 from ds_seqpar.ops.attention.reference import dense_attention_reference
 from ds_seqpar.ops.masks import MaskSpec, token_mask
 from ds_seqpar.ops.merge import apply_sink, sink_grad
@@ -29,7 +30,7 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 D = 8
 
 
-def _reference(case: AttentionCase, q, k, v, dout, sinks, mesh):
+def _reference(case: AttentionCase, q, k, v, dout, sinks, mesh, slopes=None):
     seq_len, window, docs = q.shape[1], case.window, case.doc_ids()
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     sinks64 = None if sinks is None else sinks.detach().double().requires_grad_()
@@ -45,7 +46,11 @@ def _reference(case: AttentionCase, q, k, v, dout, sinks, mesh):
         mask = (
             token_mask(pos, pos, case.spec) if docs is None else token_mask(pos, pos, case.spec, docs, docs)
         )
-        out, _ = dense_attention_reference(*leaves, mask, softcap=softcap, sinks=sinks64)
+        if case.chunk is not None:  # chunks counted from the first real token (HF's chunked mask)
+            chunk_of = (pos - case.left_pad).div(case.chunk, rounding_mode="floor")
+            mask = mask & (chunk_of[:, None] == chunk_of[None, :])
+        alibi = None if slopes is None else Alibi(slopes.double(), pos, pos)
+        out, _ = dense_attention_reference(*leaves, mask, softcap=softcap, sinks=sinks64, alibi=alibi)
     out.backward(dout.double())
     grads = [t.grad for t in leaves] + ([] if sinks64 is None else [sinks64.grad])
     return out.detach(), grads, docs
@@ -66,7 +71,10 @@ def run_cases(cases: list[AttentionCase]) -> list[dict[str, float]]:
         )
         q = q * 3.0  # large scores, so a softcap of ~1 binds
         sinks = torch.randn(h, generator=g, dtype=torch.float64).to(dtype) if case.sinks else None
-        ref_out, ref_grads, docs = _reference(case, q, k, v, dout, sinks, mesh)
+        slopes = (
+            2.0 ** -torch.arange(1.0, h + 1, dtype=torch.float64) if case.alibi else None
+        )  # BLOOM's, 8 / H = 1
+        ref_out, ref_grads, docs = _reference(case, q, k, v, dout, sinks, mesh, slopes)
         me = mesh.coords.sp_rank
         local = [layout.shard(t, me).detach().clone().requires_grad_() for t in (q, k, v)]
         sinks_local = None if sinks is None else sinks.clone().requires_grad_()
@@ -79,6 +87,8 @@ def run_cases(cases: list[AttentionCase]) -> list[dict[str, float]]:
             softcap=case.softcap,
             sinks=sinks_local,
             layer=0,
+            chunk=case.chunk,
+            alibi_slopes=slopes,
         )
         out.backward(layout.shard(dout, me))
         got = [out, *(t.grad for t in local)]
@@ -133,14 +143,51 @@ def _cases(p: int) -> list[AttentionCase]:
     return cases
 
 
+def _alibi_cases(p: int) -> list[AttentionCase]:
+    """ALiBi (slopes 2^-h, no softcap) on every dense path: U x R, pure Ulysses, pure ring, documents."""
+    s = 16 * p
+    ring = AttentionCase(alibi=True, seq_len=s, u=1, h=4, h_kv=2, attention="ring")
+    cases = [
+        replace(ring, attention="usp", u=p, h=2 * p, chunks=2),  # Ulysses (not pipelined with ALiBi), GQA
+        replace(ring, attention="usp", u=p, h=p, h_kv=p, sinks=True),  # with sinks
+        ring,  # ring p2p, zigzag
+        replace(ring, layout="contiguous", causal=False, window=9),
+        replace(ring, cu_seqlens=(0, 5, s // 2 + 3, s - 2)),  # packed documents, padding
+        replace(ring, layout="documents", cu_seqlens=(0, 3, s // 2 + 1, s - 5)),
+        replace(
+            ring, attention="usp", layout="documents", dynamic=True, cu_seqlens=tuple(range(0, s + 1, 8))
+        ),
+        replace(ring, schedule="all_gather", layout="stripe", dtype=torch.float32, seq_len=min(s, 64)),
+    ]
+    if p % 2 == 0:  # U x R
+        cases += [replace(ring, attention="usp", u=2, h=6, h_kv=2), replace(ring, attention="usp", u=2, h=4)]
+    if p == 4:
+        cases += [
+            replace(ring, inner=2),
+            replace(ring, h_kv=4, schedule="startrail", team_size=2, startrail_backward="query"),
+            replace(ring, schedule="attention2d", grid=(2, 2), causal=False),
+        ]
+    return cases
+
+
 @pytest.mark.parametrize("p", [2, 4])
 def test_softcap_and_sinks_match_reference_on_every_path(dist_pool, p):
-    cases = _cases(p)
+    cases = _cases(p) + _alibi_cases(p)
     results = dist_pool(p).run(run_cases, cases)
     for i, case in enumerate(cases):
         for rank, per_rank in enumerate(results):
             errors = per_rank[i]
             assert_within(errors, TOL[case.dtype], f"{case} rank {rank}")
+
+
+@pytest.mark.slow  # P = 2 and 4 run in the default suite (test above); a pool of 3 and of 8 costs ~10 s / ~30 s
+@pytest.mark.parametrize("p", [3, 8])
+def test_alibi_matches_reference_at_odd_and_large_degrees(dist_pool, p):
+    cases = _alibi_cases(p)
+    results = dist_pool(p).run(run_cases, cases)
+    for i, case in enumerate(cases):
+        for rank, per_rank in enumerate(results):
+            assert_within(per_rank[i], TOL[case.dtype], f"{case} rank {rank}")
 
 
 @pytest.mark.parametrize("kernel", ["torch", "auto"])

@@ -13,17 +13,25 @@ from typing import Any
 import torch
 
 from ds_seqpar.data import check_objective
+from ds_seqpar.integrations.attention_layers import (
+    refuse_unrouted_alibi,
+    route_attention_layers,
+    unroute_attention_layers,
+)
 from ds_seqpar.integrations.context import ACTIVE_CONTEXT, CONTEXT_KEY, SeqParContext
 from ds_seqpar.integrations.hf_attention import FEED_FORWARD_LAYER_TYPES
 from ds_seqpar.integrations.hf_model import (
+    PROBE_ATTENTION,
     ModelLogits,
     UnsupportedModelError,
     check_token_locality,
     decoder_of,
+    expected_chunk,
     expected_window,
     refuse_unhonoured_features,
     unwrap_hf_model,
 )
+from ds_seqpar.integrations.positions import PositionFn, PositionRule, model_position_ids, position_rule_of
 from ds_seqpar.integrations.recurrent_layers import has_recurrent_layers, refuse_recurrent_layers
 from ds_seqpar.integrations.routing import enable_sequence_parallel
 from ds_seqpar.loss import sp_causal_lm_loss
@@ -40,8 +48,9 @@ SHARD_EXTRAS = ("seq_len",)  # what shard_batch adds besides the model inputs
 @dataclass(frozen=True)
 class _ModelParts:
     """The HF model inside a (PEFT) wrapper, its decoder, its logits, which decoder layer each
-    submodule belongs to (``layer_of``, over ``num_layers`` layers) and the sliding window its config
-    promises (``window``); kept out of the module tree."""
+    submodule belongs to (``layer_of``, over ``num_layers`` layers), the sliding window and attention chunk
+    its config promises (``window``, ``chunk``) and its position rule (``positions``, ``positions.py``); kept
+    out of the module tree."""
 
     hf: torch.nn.Module
     decoder: torch.nn.Module
@@ -49,6 +58,8 @@ class _ModelParts:
     layer_of: dict[int, int]
     num_layers: int | None
     window: int | None
+    chunk: int | None
+    positions: tuple[PositionRule, PositionFn] | None
 
 
 def _decoder_layers(
@@ -102,13 +113,25 @@ class SeqParCausalLM(torch.nn.Module):
         decoder = decoder_of(hf)
         refuse_unhonoured_features(hf)
         refuse_recurrent_layers(hf)
+        refuse_unrouted_alibi(hf)
         if getattr(hf, "_ds_seqpar_original_attn", None) is None and not has_recurrent_layers(hf):
-            # one process, before the attention is switched
-            check_token_locality(hf, decoder, self.objective, encoder_states=self.encoder_states)
+            # one process, before the attention is switched; on the routed attention layers (ALiBi families)
+            route_attention_layers(hf, PROBE_ATTENTION)
+            try:
+                check_token_locality(hf, decoder, self.objective, encoder_states=self.encoder_states)
+            finally:
+                unroute_attention_layers(hf)
         self.model = enable_sequence_parallel(model)
         layer_of, num_layers, layers = _decoder_layers(decoder, hf)
         self._parts = _ModelParts(
-            hf, decoder, ModelLogits(hf, decoder), layer_of, num_layers, expected_window(hf)
+            hf,
+            decoder,
+            ModelLogits(hf, decoder),
+            layer_of,
+            num_layers,
+            expected_window(hf),
+            expected_chunk(hf),
+            position_rule_of(decoder),
         )
         self.mesh = mesh
         self.memory = enable_memory_savings(hf, decoder, layers, mesh.settings.memory, mesh.group("sp_dp"))
@@ -133,6 +156,7 @@ class SeqParCausalLM(torch.nn.Module):
         """Final hidden states ``[B, n, E]`` of this rank's tokens (every layer's attention over the group).
         ``ctx``: a context made by a subclass (``_context``); ``decoder_inputs``: more inputs of the decoder."""
         self._check_positions(input_ids, position_ids, doc_ids)
+        position_ids = self._model_positions(input_ids, position_ids, doc_ids)
         parts = self._parts
         if self.memory.plan is not None:
             zero3 = any(hasattr(p, "ds_id") for p in itertools.islice(parts.decoder.parameters(), 1))
@@ -189,6 +213,13 @@ class SeqParCausalLM(torch.nn.Module):
                 "to the attention (the family builds the window into a mask, which ds_seqpar does not receive); "
                 "this model cannot run under ds_seqpar"
             )
+        chunk = self._parts.chunk
+        if chunk is not None and ctx.chunks == 0:
+            raise UnsupportedModelError(
+                f"{type(hf).__name__}: config.attention_chunk_size={chunk} but no attention layer applied a chunk "
+                "(its layers do not expose config.layer_types / layer_idx, which ds_seqpar reads the chunk from); "
+                "this model cannot run under ds_seqpar"
+            )
 
     def _check_positions(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, doc_ids: torch.Tensor | None
@@ -218,6 +249,34 @@ class SeqParCausalLM(torch.nn.Module):
                 f"{got[:4].tolist()}..., expected {expected[:4].tolist()}... (layout {layout.ring.name}); local "
                 "positions 0..n-1 would give every rank the same RoPE. Pass the batch from ds_seqpar.shard_batch"
             )
+
+    def _model_positions(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The position ids ``[B, n]`` the decoder gets: the global ones, or, for a family with a position rule
+        (``positions.py``), the family's own position ids of the whole rows, this rank's part (one all-gather
+        of the token ids). Packed documents and grouped layouts are refused first, identically on every rank."""
+        found = self._parts.positions
+        if found is None:
+            return position_ids
+        rule, fn = found
+        name = type(self._parts.hf).__name__
+        if doc_ids is not None and int(doc_ids.max()) > 0:
+            raise UnsupportedModelError(
+                f"{name} derives its position ids from the token ids ({rule.summary}); with packed documents "
+                "(position_ids restarting) the plain model would take the given position_ids as they are, so no "
+                "numbering is exact for both: train it on one document per row (padding through attention_mask)"
+            )
+        if self.mesh.sp_size == 1:
+            return fn(input_ids.long())
+        layout = input_layout(self.mesh, doc_ids)
+        if layout.group_degree is not None or layout.world != self.mesh.sp_size:
+            raise UnsupportedModelError(
+                f"{name} derives its position ids from the whole row ({rule.summary}), which ds_seqpar gathers over "
+                f"the SP group; the batch's layout runs in groups of {layout.group_degree} ranks "
+                "(sequence_parallel.dynamic_degree): switch dynamic_degree off for this model"
+            )
+        return model_position_ids(fn, input_ids, self.mesh.coords.sp_rank, layout, self.mesh.group("sp"))
 
     def _refuse_masks(self, extra: dict[str, Any]) -> None:
         """Only what ``shard_batch`` produces; any other input the model would use is refused by name."""
@@ -333,7 +392,8 @@ class SeqParMaskedLM(SeqParCausalLM):
     (``|i - j| < window``, ModernBERT's local layers), packed documents separated by ``doc_ids``.
 
     Args: as ``SeqParCausalLM``; ``model`` is a HuggingFace ``*ForMaskedLM`` (ModernBERT, BERT, ...)
-        whose positions come from ``position_ids`` (RoBERTa-style padding-offset positions are refused).
+        whose positions come from ``position_ids`` or a position rule (``positions.py``: RoBERTa's padding
+        offset, run on the whole row; packed documents are refused for those).
     """
 
     objective = "masked"

@@ -28,8 +28,8 @@ class SeqParContext:
     """What the attention layers of one forward need besides q, k, v, and what they did.
 
     ``layer_of`` maps ``id(module)`` of every submodule of a decoder layer to that layer's index;
-    ``layers`` collects the indices of the layers that called the attention, ``windows`` the calls
-    that applied a sliding window.
+    ``layers`` collects the indices of the layers that called the attention, ``windows`` / ``chunks`` the
+    calls that applied a sliding window / an attention chunk.
 
     Cross-attention (``SeqParSeq2SeqLM``): ``cross_active`` holds the ids of the attention modules
     running on encoder states right now (their calls go to ``ds_seqpar.cross_attention``), with the
@@ -46,6 +46,7 @@ class SeqParContext:
     layer_of: dict[int, int] = field(default_factory=dict)
     layers: set[int] = field(default_factory=set)
     windows: int = 0
+    chunks: int = 0
     bidirectional: int = 0
     cross_mask: torch.Tensor | None = None
     cross_schedule: str = "auto"
@@ -53,10 +54,17 @@ class SeqParContext:
     cross_calls: int = 0
     local_attention: str | None = None
 
-    def record(self, module: torch.nn.Module, window: int | None = None, causal: bool = True) -> None:
+    def record(
+        self,
+        module: torch.nn.Module,
+        window: int | None = None,
+        causal: bool = True,
+        chunk: int | None = None,
+    ) -> None:
         """Count one sequence-parallel call of ``module`` (attention or linear attention)."""
         self.calls += 1
         self.windows += window is not None
+        self.chunks += chunk is not None
         self.bidirectional += not causal
         if id(module) in self.layer_of:
             self.layers.add(self.layer_of[id(module)])

@@ -6,7 +6,8 @@ value, attention_mask, dropout=..., scaling=..., **kwargs)`` from every attentio
 forward kwargs passed through (``position_ids``, ``sliding_window`` for sliding layers, ...).
 
 ``seqpar_attention_forward`` honours the keywords that change the result (``scaling``,
-``sliding_window``, ``softcap``, ``s_aux``, ``is_causal``, ``dropout`` only 0) and refuses by name every
+``sliding_window``, ``softcap``, ``s_aux``, ``alibi_slopes`` (passed by the ALiBi adapters of
+``attention_layers.py``), ``is_causal``, ``dropout`` only 0) and refuses by name every
 other keyword whose value would, and any explicit ``attention_mask`` (masks come from global positions
 and the ``doc_ids`` of the batch), before any collective. Calls without a ds_seqpar context, with dropout,
 or with a KV cache (q_len != k_len, i.e. generation) raise a clear error instead of computing something
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from ds_seqpar.integrations.context import CONTEXT_KEY, SeqParContext, current_context
-from ds_seqpar.integrations.hf_model import UnsupportedModelError
+from ds_seqpar.integrations.hf_model import WINDOW_FROM_CONFIG, UnsupportedModelError
 from ds_seqpar.parallel.cross import cross_attention
 from ds_seqpar.parallel.usp import attention
 
@@ -41,7 +42,17 @@ _UNSET: Any = object()  # a keyword the attention layer did not pass
 # keywords that never change the result (positions are already in q/k through RoPE; the cache is
 # refused through q_len != k_len; attention weights are not returned).
 FEED_FORWARD_LAYER_TYPES = frozenset({"mlp", "moe"})  # config.layer_types entries without sequence mixing
-HONOURED_KEYWORDS = ("dropout", "scaling", "sliding_window", "softcap", "s_aux", "is_causal")
+HONOURED_KEYWORDS = ("dropout", "scaling", "sliding_window", "softcap", "s_aux", "alibi_slopes", "is_causal")
+# Keywords refused with the structural reason why ds_seqpar cannot honour them (else a generic refusal).
+REFUSED_KEYWORDS = {
+    "position_bias": (
+        "an additive [B, H, S, S] score bias the layer computes over its local tokens (a relative position bias, "
+        "e.g. Inkling2's, learned and conditioned on each query's hidden states over distances 0..rel_extent-1). "
+        "ds_seqpar builds no [S, S] tensor; honouring it would need the block kernels to compute it from global "
+        "positions and, being learned, return its gradient (for Inkling2: a per-query distance table "
+        "[B, H, n, rel_extent] in, dS summed per distance out)"
+    ),
+}
 NEUTRAL_KEYWORDS = frozenset(
     {
         CONTEXT_KEY,
@@ -72,6 +83,11 @@ def _refuse_keywords(name: str, attention_mask: Any, kwargs: dict[str, Any]) -> 
     for key, value in kwargs.items():
         if key in NEUTRAL_KEYWORDS or value is None:
             continue
+        if key in REFUSED_KEYWORDS:
+            raise UnsupportedModelError(
+                f"{name} passed {key}={_short(value)} to the attention: {REFUSED_KEYWORDS[key]}; this model "
+                "cannot run under ds_seqpar"
+            )
         raise UnsupportedModelError(
             f"{name} passed {key}={_short(value)} to the attention; ds_seqpar honours "
             f"{', '.join(HONOURED_KEYWORDS)} and would ignore {key!r}, which changes the result: this model "
@@ -108,6 +124,42 @@ def _window(name: str, sliding_window: Any) -> int | None:
     return sliding_window
 
 
+def _module_window(module: torch.nn.Module) -> int | None:
+    """The window of a layer that does not pass ``sliding_window``: kept on the module (Qwen2-MoE), or the
+    config's for a family whose mask applies it to every layer (``WINDOW_FROM_CONFIG``)."""
+    window = getattr(module, "sliding_window", None)
+    config = getattr(module, "config", None)
+    if window is None and getattr(config, "model_type", None) in WINDOW_FROM_CONFIG:
+        window = getattr(config, "sliding_window", None)
+    return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
+
+
+def layer_chunk(module: torch.nn.Module) -> int | None:
+    """The attention chunk of ``module``'s layer (Llama 4): ``config.attention_chunk_size`` when the layer's
+    ``config.layer_types`` entry is ``"chunked_attention"``, else None."""
+    config = getattr(module, "config", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if not chunk or types is None or index is None or index >= len(types):
+        return None
+    return chunk if types[index] == "chunked_attention" else None
+
+
+def _check_call(name: str, dropout: float, query: torch.Tensor, key: torch.Tensor) -> None:
+    """Refuse attention dropout and keys that are not one per query token (a KV cache), by name."""
+    if dropout:
+        raise UnsupportedModelError(
+            f"{name}: attention dropout={dropout} is not supported under sequence parallelism; "
+            "set config.attention_dropout=0.0"
+        )
+    if query.shape[2] != key.shape[2]:
+        raise UnsupportedModelError(
+            f"{name}: q_len={query.shape[2]} != k_len={key.shape[2]}: a KV cache is in use, or the layer attends "
+            "to keys that are not one per token (compressed or extra keys); sequence-parallel attention needs one "
+            "key per query token: pass use_cache=False, and generate with an unwrapped model"
+        )
+
+
 def seqpar_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -120,16 +172,16 @@ def seqpar_attention_forward(
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
     is_causal: bool | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The ``"ds_seqpar"`` attention implementation: HF layout in, ``(out [B, n, H, D], None)`` out.
 
-    Honoured keywords: ``scaling``, ``sliding_window`` (query i sees key j iff 0 <= i - j < w),
-    ``softcap`` (Gemma 2 attention logit soft-capping), ``s_aux`` (gpt-oss attention sinks: one
-    logit per query head in the softmax denominator, gradients included), ``is_causal`` (else the
-    module's ``is_causal``), ``dropout`` (only 0). Any other keyword with a non-None value, and a
-    non-None ``attention_mask``, raise a ValueError naming the module, keyword and value, before any
-    collective; the neutral ones (``position_ids``, cache bookkeeping) are ignored.
+    Honoured keywords: ``scaling``, ``sliding_window`` (query i sees key j iff 0 <= i - j < w), ``softcap``
+    (Gemma 2), ``s_aux`` (gpt-oss sinks, one logit per query head, with gradients), ``alibi_slopes`` (``[H]``,
+    ALiBi from global positions), ``is_causal`` (else the module's), ``dropout`` (only 0); the layer's attention
+    chunk (``layer_chunk``). Any other keyword with a non-None value, and an ``attention_mask``, raise by name
+    before any collective (neutral ones pass).
     """
     ctx = current_context(kwargs)
     name = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
@@ -139,6 +191,8 @@ def seqpar_attention_forward(
             "through ds_seqpar.SeqParCausalLM / ds_seqpar.initialize (they pass ds_seqpar_context=...), or "
             "restore the original attention with disable_sequence_parallel(model)"
         )
+    if alibi_slopes is not None and (ctx.local_attention is not None or id(module) in ctx.cross_active):
+        raise UnsupportedModelError(f"{name}: ALiBi (alibi_slopes) is honoured in SP self-attention only")
     if ctx.local_attention is not None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -152,22 +206,11 @@ def seqpar_attention_forward(
     if id(module) in ctx.cross_active:
         return _cross_attention_call(module, name, ctx, query, key, value, dropout, scaling,
                                      sliding_window, softcap, s_aux, is_causal), None  # fmt: skip
-    if dropout:
-        raise UnsupportedModelError(
-            f"{name}: attention dropout={dropout} is not supported under sequence parallelism; "
-            "set config.attention_dropout=0.0"
-        )
-    if query.shape[2] != key.shape[2]:
-        raise UnsupportedModelError(
-            f"{name}: q_len={query.shape[2]} != k_len={key.shape[2]}: a KV cache is in use, or the layer attends "
-            "to keys that are not one per token (compressed or extra keys); sequence-parallel attention needs one "
-            "key per query token: pass use_cache=False, and generate with an unwrapped model"
-        )
+    _check_call(name, dropout, query, key)
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
-    if sliding_window is _UNSET:  # not passed: families that keep the window on the module (its mask)
-        sliding_window = getattr(module, "sliding_window", None)
-        sliding_window = sliding_window if isinstance(sliding_window, int) and sliding_window > 0 else None
-    window = _window(name, sliding_window)
+    if sliding_window is _UNSET:  # not passed: the module's window (its mask), or the config's (Phi-MoE)
+        sliding_window = _module_window(module)
+    window, chunk = _window(name, sliding_window), layer_chunk(module)
     query, key, value, v_dim = _common_head_dim(query, key, value)
     out = attention(
         query.transpose(1, 2),
@@ -183,8 +226,10 @@ def seqpar_attention_forward(
         step=ctx.step,
         softcap=softcap or None,
         sinks=_sinks(name, s_aux, query.shape[1]),
+        chunk=chunk,
+        alibi_slopes=None if alibi_slopes is None else alibi_slopes.to(query.device, torch.float32),
     )
-    ctx.record(module, window, causal)
+    ctx.record(module, window, causal, chunk)
     return (out if v_dim is None else out[..., :v_dim]), None
 
 

@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+from ds_seqpar.integrations.positions import position_rule_of
+from ds_seqpar.integrations.probe_trace import ProbeTrace
+
 
 class UnsupportedModelError(ValueError, TypeError, RuntimeError):
     """A model (family) feature that ds_seqpar cannot honour under sequence parallelism; the message
@@ -86,16 +89,24 @@ def refuse_unhonoured_features(model: torch.nn.Module) -> None:
     for config in text_configs(model):
         layer_types = [str(t) for t in getattr(config, "layer_types", None) or []]
         chunk = getattr(config, "attention_chunk_size", None)
-        if chunk and (not layer_types or any("chunk" in t for t in layer_types)):
+        if chunk and not any(t == "chunked_attention" for t in layer_types):
             raise UnsupportedModelError(
-                f"{name}: config.attention_chunk_size={chunk} (chunked attention, e.g. Llama 4) is built into a mask "
-                "that ds_seqpar does not receive; this model cannot run under ds_seqpar"
+                f"{name}: config.attention_chunk_size={chunk} (chunked attention) without config.layer_types naming "
+                "its 'chunked_attention' layers: ds_seqpar applies the chunk to the layers those entries name, so "
+                "this model cannot run under ds_seqpar"
             )
-        if getattr(config, "index_topk", None):
+        if getattr(config, "keep_window_size", None):
             raise UnsupportedModelError(
-                f"{name}: config.index_topk={config.index_topk} selects keys per query with a learned indexer "
-                "(DeepSeek sparse attention), which ds_seqpar does not split over the sequence; this model cannot "
-                "run under ds_seqpar"
+                f"{name}: dynamic mask attention (config.keep_window_size={config.keep_window_size}, Doge): each key "
+                "gets a learned bias from its value, and above keep_window_size keys each query keeps only its "
+                "top keep_window_size keys by that bias, chosen over the whole row; ds_seqpar's kernels take no "
+                "per-key learned bias and no such selection, so this model cannot run under ds_seqpar"
+            )
+        if "indexed_attention" in layer_types and not getattr(config, "index_topk", None):  # QSA, not DSA
+            raise UnsupportedModelError(
+                f"{name}: config.layer_types has indexed_attention layers (Qwen4-Exp QSA: a learned indexer selects "
+                f"indexer_budget={getattr(config, 'indexer_budget', None)} compressed key blocks per query over the "
+                "whole sequence), which ds_seqpar does not split over the sequence; this model cannot run under ds_seqpar"
             )
         if getattr(config, "output_router_logits", False):
             coef = getattr(config, "router_aux_loss_coef", None)
@@ -104,6 +115,13 @@ def refuse_unhonoured_features(model: torch.nn.Module) -> None:
                 f"{coef}) to the model's loss, which ds_seqpar's sequence-parallel loss does not compute; set "
                 "model.config.output_router_logits=False (the router still routes every token the same way)"
             )
+
+
+# Families whose MASK applies ``config.sliding_window`` to every layer while their attention layers neither
+# pass it nor keep it (the attention reads it from ``module.config``), and families whose config carries a
+# ``sliding_window`` that nothing uses (their mask is plain causal). Keyed by ``config.model_type``.
+WINDOW_FROM_CONFIG = frozenset({"phimoe"})
+WINDOW_UNUSED = frozenset({"moshi"})
 
 
 def expected_window(model: torch.nn.Module) -> int | None:
@@ -117,12 +135,22 @@ def expected_window(model: torch.nn.Module) -> int | None:
         window = getattr(config, "sliding_window", None)
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             continue
-        if getattr(config, "use_sliding_window", True) is False:
+        if getattr(config, "use_sliding_window", True) is False or config.model_type in WINDOW_UNUSED:
             continue
         layer_types = getattr(config, "layer_types", None)
         if layer_types is not None and not any("sliding" in str(t) for t in layer_types):
             continue
         return window
+    return None
+
+
+def expected_chunk(model: torch.nn.Module) -> int | None:
+    """The attention chunk the config gives its ``"chunked_attention"`` layers (None: no chunked layer);
+    ``SeqParCausalLM`` checks after the first forward that such a layer passed it to the attention."""
+    for config in text_configs(model):
+        chunk = getattr(config, "attention_chunk_size", None)
+        if chunk and "chunked_attention" in [str(t) for t in getattr(config, "layer_types", None) or []]:
+            return chunk
     return None
 
 
@@ -133,10 +161,14 @@ PROBE_TOKENS = 8
 PROBE_ENCODER_TOKENS = 3  # encoder states of the probe of an encoder-decoder: neither 8 nor 4 tokens
 
 
+PROBE_CALLS: list[int] = [0]  # calls of the probe attention during the current probe
+
+
 def _token_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
     """A probe attention in which every token attends only to itself: out = its value ``[B, S, H, D_v]``;
     a cross-attention (keys of the probe's encoder states) gives zeros."""
+    PROBE_CALLS[0] += 1
     if key.shape[2] != query.shape[2]:
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
     group = query.shape[1] // value.shape[1]
@@ -151,9 +183,9 @@ def check_token_locality(
 
     With an attention in which each token sees only itself, the decoder runs on 8 probe tokens with
     its default positions, and on their last 4 with ``position_ids = 4..7`` (what a rank holding that
-    shard passes); the outputs of those 4 tokens must agree. They do not when the family derives
-    positions itself (RoBERTa's padding offset, learned positions that ignore ``position_ids``) or mixes
-    tokens outside the attention (a convolution, a token shift): refused by name. The model's own
+    shard passes; a family with a position rule, ``positions.py``, gets its own position ids of the 8); the
+    outputs of those 4 tokens must agree. Otherwise the first module that differs is named
+    (``probe_trace.py``); no call of the probe attention (attention computed inline) refuses too. The model's own
     loss on the probe must also be the next-token cross-entropy of its logits (Whisper's decoder, for
     one, does not shift its labels), or for ``objective="masked"`` the cross-entropy of each token's
     logits against its own label (a masked-LM head).
@@ -177,15 +209,8 @@ def check_token_locality(
         conv.register_forward_pre_hook(lambda *_, name=name: called.append(name))
         for name, conv in convs.items()
     ]
-    special: set[int] = set()
-    for config in text_configs(model):
-        for t in ("pad", "bos", "eos"):
-            value = getattr(config, f"{t}_token_id", None)
-            special.update(value if isinstance(value, list | tuple) else [value])
-    vocab = getattr(model.get_input_embeddings(), "num_embeddings", 64)
-    tokens = [t for t in range(3, min(vocab, 64)) if t not in special][:PROBE_TOKENS]
-    ids = torch.tensor([tokens], device=params[0].device)
-    half = len(tokens) // 2
+    ids = _probe_ids(model, params[0].device)
+    tokens, half = ids[0].tolist(), ids.shape[1] // 2
     extra: dict[str, Any] = {}
     if encoder_states:
         width = getattr(decoder.config, "d_model", None) or decoder.config.hidden_size
@@ -194,11 +219,15 @@ def check_token_locality(
     original, was_training = model.config._attn_implementation, model.training
     model.set_attn_implementation(PROBE_ATTENTION)
     model.eval()
+    trace, PROBE_CALLS[0] = ProbeTrace(decoder), 0
     try:
         with torch.no_grad():
+            trace.next_run()
             whole = decoder(input_ids=ids, use_cache=False, **extra)[0][:, half:]
-            positions = torch.arange(half, len(tokens), device=ids.device)[None]
-            shard = decoder(input_ids=ids[:, half:], position_ids=positions, use_cache=False, **extra)[0]
+            trace.next_run()
+            shard = decoder(input_ids=ids[:, half:], position_ids=_probe_positions(decoder, ids, half),
+                            use_cache=False, **extra)[0]  # fmt: skip
+            trace.runs.append({})  # the model-level run below is not compared
             out = None if encoder_states else model(input_ids=ids, labels=ids, use_cache=False)
     except Exception as exc:
         raise UnsupportedModelError(
@@ -210,18 +239,73 @@ def check_token_locality(
         model.train(was_training)
         for hook in hooks:
             hook.remove()
+        trace.remove()
+    _refuse_inline_attention(model, decoder, len(tokens))
     if called:  # a convolution on the text path (a media encoder's is never called on text)
         _refuse_conv(model, decoder, called[0], convs[called[0]])
     tol = 1e-4 if whole.dtype in (torch.float32, torch.float64) else 5e-2
     _check_own_loss(model, out, ids, tol, objective)
     err = ((whole.double() - shard.double()).norm() / whole.double().norm().clamp(min=1e-30)).item()
     if not err <= tol:
+        _refuse_divergence(model, decoder, trace, half, tol, convs)
         raise UnsupportedModelError(
             f"{type(model).__name__} treats a token differently in a shard of the sequence than in the whole "
             f"sequence, outside the attention (relative difference {err:.1e} with position_ids given): it derives "
             "positions itself (e.g. RoBERTa's padding offset, learned positions that ignore position_ids) or mixes "
             "tokens outside the attention (a convolution, a token shift); it cannot run under ds_seqpar"
         )
+
+
+def _probe_ids(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
+    """``[1, 8]`` probe token ids: ids from 3 on that are no pad / bos / eos token of the model."""
+    special: set[int] = set()
+    for config in text_configs(model):
+        for t in ("pad", "bos", "eos"):
+            value = getattr(config, f"{t}_token_id", None)
+            special.update(value if isinstance(value, list | tuple) else [value])
+    vocab = getattr(model.get_input_embeddings(), "num_embeddings", 64)
+    tokens = [t for t in range(3, min(vocab, 64)) if t not in special][:PROBE_TOKENS]
+    return torch.tensor([tokens], device=device)
+
+
+def _probe_positions(decoder: torch.nn.Module, ids: torch.Tensor, half: int) -> torch.Tensor:
+    """The shard's position ids ``[1, 4]``: its global positions, or, for a family with a position rule
+    (``positions.py``), the family's own position ids of the whole probe row from ``half`` on."""
+    found = position_rule_of(decoder)
+    if found is None:
+        return torch.arange(half, ids.shape[1], device=ids.device)[None]
+    return found[1](ids)[:, half:]
+
+
+def _refuse_inline_attention(model: torch.nn.Module, decoder: torch.nn.Module, tokens: int) -> None:
+    """No call of the probe attention: the decoder mixes tokens without transformers' attention interface."""
+    if PROBE_CALLS[0] == 0:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: no layer of {type(decoder).__name__} called transformers' attention interface "
+            f"on a probe of {tokens} tokens: it computes its token mixing inline (the class does not support "
+            "setting its attention implementation), so ds_seqpar cannot split it over the sequence; this model "
+            "cannot run under ds_seqpar"
+        )
+
+
+def _refuse_divergence(
+    model: torch.nn.Module, decoder: torch.nn.Module, trace: ProbeTrace, half: int, tol: float, convs: dict
+) -> None:
+    """Name the first module whose output for the shard's tokens differs (``probe_trace.py``); a sequence
+    ``Conv1d`` inside it (applied through its weights, never called) is named as the convolution."""
+    where = trace.first_divergence(half, tol)
+    if where is None:
+        return
+    name, module, what = where
+    for conv_name, conv in convs.items():
+        if conv_name == name or conv_name.startswith(name + "."):
+            _refuse_conv(model, decoder, conv_name, conv)
+    raise UnsupportedModelError(
+        f"{type(model).__name__} treats a token differently in a shard of the sequence than in the whole sequence, "
+        f"outside the attention: {type(decoder).__name__}.{name} ({type(module).__name__}) is the first module that "
+        f"does ({what}, with the shard's global position_ids given); it derives positions or mixes tokens itself, "
+        "which ds_seqpar does not split over the sequence; this model cannot run under ds_seqpar"
+    )
 
 
 def _sequence_convs(decoder: torch.nn.Module) -> dict[str, torch.nn.Conv1d]:

@@ -3,8 +3,9 @@
 Each forward mirrors the HF layer's training path (no cache) step by step and keeps every weight of
 the module; only three things change: the causal conv1d gets its halo from the previous rank
 (``parallel/delta_scan.sharded_causal_conv1d``), and the recurrence runs over the whole sequence through
-``ds_seqpar.linear_attention`` (Lightning, Mamba2) or ``parallel/delta_scan.delta_rule_attention``
-(gated DeltaNet, KDA). Per-token steps (projections, gates, norms, the D skip) stay local.
+``ds_seqpar.linear_attention`` (Lightning) or ``parallel/delta_scan.delta_rule_attention`` (gated
+DeltaNet, KDA). Per-token steps (projections, gates, norms) stay local. The Mamba mixers (v1 and Mamba2)
+are in ``mamba_adapters.py`` and use the helpers here.
 
 Padding (document id < 0) is zeroed where HF's ``apply_mask_to_padding_states`` zeroes it. Packed
 documents do not reset the recurrent state, as in the HF model without a cache; the family conventions
@@ -196,42 +197,3 @@ def kda_forward(
     core = _delta_core(self, ctx, q, k, v, beta, g)
     gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(shape)
     return self.o_proj(self.o_norm(core, gate).reshape(bsz, n, -1))
-
-
-# -- Mamba2 / SSD mixers (Nemotron-H, Bamba) ---------------------------------------------------------
-
-
-def mamba2_forward(
-    self: torch.nn.Module,
-    hidden_states: torch.Tensor,
-    cache: Any = None,
-    attention_mask: Any = None,
-    **kwargs: Any,
-) -> torch.Tensor:
-    """The Mamba2 mixer's torch path: in_proj -> (gate, xBC, dt); conv1d + act on xBC; the SSD scan
-    h_t = e^{dt_t A_h} h_{t-1} + dt_t B_t x_tᵀ, y_t = C_t h_t + D_h x_t (as linear attention with
-    q = C, k = B, v = dt·x, log decay dt·A per token and head); gated RMSNorm; out_proj."""
-    ctx = _context(self, kwargs, cache)
-    bsz, n, _ = hidden_states.shape
-    dtype = hidden_states.dtype
-    keep = _real_tokens(ctx, bsz)
-    hidden_states = _zero_padding(keep, hidden_states)
-    projected = self.in_proj(hidden_states)
-    a_log = -torch.exp(self.A_log.float())
-    gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-    xbc = _zero_padding(keep, _conv(self, ctx, xbc))
-    groups, state = self.n_groups, self.ssm_state_size
-    x, b_in, c_in = torch.split(xbc, [self.intermediate_size, groups * state, groups * state], dim=-1)
-    limit = getattr(self, "time_step_limit", (0.0, float("inf")))
-    dt = torch.clamp(F.softplus(dt + self.dt_bias.to(dt.dtype)), min=limit[0], max=limit[1])
-    heads = self.num_heads
-    x = x.reshape(bsz, n, heads, self.head_dim).float()
-    b_in, c_in = (
-        t.reshape(bsz, n, groups, state).float().repeat_interleave(heads // groups, dim=2, output_size=heads)
-        for t in (b_in, c_in)
-    )
-    y = linear_attention(c_in, b_in, x * dt[..., None].float(), mesh=ctx.mesh, log_decay=a_log * dt.float())
-    y = y + self.D[..., None] * x
-    ctx.record(self)
-    out = self.norm(y.reshape(bsz, n, -1), gate)
-    return self.out_proj(out.to(dtype))

@@ -1,6 +1,7 @@
 """Switching a model's sequence mixing to ds_seqpar and back: its attention implementation (``"ds_seqpar"``,
 selected for this model only with ``model.set_attn_implementation``; overriding ``"sdpa"`` process-wide
-would change every other model in the process) and its routed recurrent layers (``recurrent_layers.py``).
+would change every other model in the process), its routed recurrent layers (``recurrent_layers.py``) and
+its routed attention layers that compute scores themselves (``attention_layers.py``: ALiBi families).
 
 The model's own code paths stay as they are: RoPE, sliding-window layers, GQA, per-layer types. HF builds
 no 4-D mask for this implementation (``attention_mask`` is None).
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ds_seqpar.integrations.attention_layers import route_attention_layers, unroute_attention_layers
 from ds_seqpar.integrations.hf_attention import ATTN_IMPLEMENTATION, register_attention
 from ds_seqpar.integrations.hf_model import UnsupportedModelError, unwrap_hf_model
 from ds_seqpar.integrations.recurrent_layers import route_recurrent_layers, unroute_recurrent_layers
@@ -44,6 +46,7 @@ def enable_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
         ) from exc
     model._ds_seqpar_original_attn = original
     route_recurrent_layers(model)
+    route_attention_layers(model)
     return wrapper
 
 
@@ -55,4 +58,5 @@ def disable_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
         model.set_attn_implementation(original)
         del model._ds_seqpar_original_attn
     unroute_recurrent_layers(model)
+    unroute_attention_layers(model)
     return wrapper

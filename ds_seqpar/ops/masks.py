@@ -14,6 +14,9 @@ Rules (True = key visible to the query; ``d = pos_q - pos_k``):
     non-causal, window w   |d| < w         (``w - 1`` positions on each side plus itself)
     documents              doc_q == doc_k, and both >= 0 (a padding token, doc < 0, sees
                            nothing and is seen by nothing; its attention row is empty)
+    chunks of c tokens     (i - p) // c == (j - p) // c on row indices i, j, p = the row's leading
+                           padding tokens (Llama 4's chunked attention): applied as documents,
+                           ``chunk_doc_ids`` splits every document at the chunk borders
 
 Because every rule is a function of (pos, doc) pairs, contiguous, zigzag, stripe and any other
 token layout get the right mask from the same code; no layout-specific "shift" tricks.
@@ -26,7 +29,15 @@ from enum import Enum
 
 import torch
 
-__all__ = ["BlockKind", "MaskSpec", "classify_block", "quick_block_kind", "token_mask"]
+__all__ = [
+    "BlockKind",
+    "MaskSpec",
+    "check_chunk",
+    "chunk_doc_ids",
+    "classify_block",
+    "quick_block_kind",
+    "token_mask",
+]
 
 
 @dataclass(frozen=True)
@@ -208,3 +219,40 @@ def classify_block(
     if bool(mask.all()):
         return BlockKind.FULL, None
     return BlockKind.PARTIAL, mask
+
+
+def check_chunk(chunk: object) -> int | None:
+    """``chunk`` validated: None, or the int >= 1 tokens of an attention chunk."""
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(
+            f"chunk={chunk!r} is invalid: use an int >= 1 (a query sees only the keys of its own chunk of "
+            "`chunk` consecutive tokens, Llama 4's attention_chunk_size) or None"
+        )
+    return chunk
+
+
+def chunk_doc_ids(
+    doc_ids: torch.Tensor | None, chunk: int, seq_len: int, device: torch.device
+) -> torch.Tensor:
+    """Document ids that also end at every chunk border: chunked attention as packed documents.
+
+    Token ``i`` of a row with ``p`` leading padding tokens (doc id < 0) is in chunk ``(i - p) // chunk``
+    (HF's chunked mask counts chunks from the first real token); two tokens see each other only if they
+    share their document and their chunk. Padding keeps its negative id.
+
+    Args:
+        doc_ids: ``[S]`` / ``[B, S]`` document ids in global order, or None (one document).
+        chunk: tokens per chunk.
+        seq_len: S.
+
+    Returns:
+        ``[S]`` (no ids, or ``[S]`` ids) / ``[B, S]`` int64 ids, unique per (document, chunk).
+    """
+    index = torch.arange(seq_len, device=device)
+    if doc_ids is None:
+        return index // chunk
+    docs = doc_ids.to(device=device, dtype=torch.int64)
+    lead = (torch.cumsum((docs >= 0).to(torch.int64), dim=-1) == 0).sum(dim=-1, keepdim=True)
+    chunks = torch.div(index - lead, chunk, rounding_mode="floor")
+    per_doc = seq_len // chunk + 2
+    return torch.where(docs >= 0, docs * per_doc + chunks.clamp(min=0), docs)

@@ -18,6 +18,7 @@ hanging in NCCL. Later calls with that shape run no extra collective.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from ds_seqpar.comm.schedules import RingSchedule
 from ds_seqpar.layout import ContiguousLayout, UspLayout
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.attention import check_softcap, resolve_kernel
-from ds_seqpar.ops.masks import MaskSpec
+from ds_seqpar.ops.masks import MaskSpec, check_chunk, chunk_doc_ids
 from ds_seqpar.ops.precision import accumulation_dtype
 from ds_seqpar.ops.sparse.kernels import resolve_sparse_kernel
 from ds_seqpar.parallel.activation import sparse_layer_active
@@ -66,7 +67,15 @@ RUNNERS: dict[str, Runner] = {
 """``ScheduleSpec.runner`` -> how ``ds_seqpar.attention`` runs it (the ring engine, or the team wrapper)."""
 
 
-AGREED = ("q", "k", "v", "sinks", "doc_ids")  # what every SP rank must pass alike, with causal and window
+AGREED_FLAGS = ("causal", "window", "chunk")  # the flags every SP rank must pass alike
+AGREED = (
+    "q",
+    "k",
+    "v",
+    "sinks",
+    "doc_ids",
+    "alibi_slopes",
+)  # what every SP rank must pass alike, with causal and window
 SAME_SHARDS = (
     "every SP rank must pass the same B, n, H, H_kv, D and dtype: shard each batch with ds_seqpar's layout "
     "(ds_seqpar.shard_batch / seqpar_dataloader, which pad S to the layout's multiple) so every rank holds "
@@ -83,10 +92,12 @@ def _check(
     positions: torch.Tensor | None,
     doc_ids: torch.Tensor | None,
     sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> int:
     """Validate everything before any collective; return the global length S."""
     check_qkv(q, k, v, "ds_seqpar.attention")
     check_sinks(sinks, q, "ds_seqpar.attention")
+    _check_alibi(alibi_slopes, q, mesh)
     h, settings = q.shape[2], mesh.settings
     if mesh.ulysses_size > h:
         raise ValueError(
@@ -113,6 +124,23 @@ def _check(
             f"{seq_len}; pass document ids of the whole sequence in global order ([S] or [B, S])"
         )
     return seq_len
+
+
+def _check_alibi(slopes: torch.Tensor | None, q: torch.Tensor, mesh: SeqParMesh) -> None:
+    """ALiBi slopes must be a float ``[H]`` on q's device, and the algorithm one that applies them."""
+    if slopes is None:
+        return
+    h = q.shape[2]
+    if not isinstance(slopes, torch.Tensor) or slopes.shape != (h,) or not slopes.dtype.is_floating_point:
+        got = tuple(slopes.shape) if isinstance(slopes, torch.Tensor) else type(slopes).__name__
+        raise ValueError(f"ds_seqpar.attention: alibi_slopes must be a float tensor [H] (H={h}); got {got}")
+    if slopes.device != q.device:
+        raise ValueError(f"ds_seqpar.attention: alibi_slopes are on {slopes.device} but q is on {q.device}")
+    if mesh.settings.attention == "sparse_ring":
+        raise ValueError(
+            "ds_seqpar.attention: alibi_slopes with attention='sparse_ring': the sparse block kernels take no "
+            "position bias; use attention 'usp', 'ulysses' or 'ring'"
+        )
 
 
 def _check_positions(positions: torch.Tensor, layout: UspLayout, seq_len: int, rank: int) -> None:
@@ -144,6 +172,8 @@ def attention(
     step: int = 0,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over the whole sequence that the SP group shares; the configured algorithm.
 
@@ -167,6 +197,12 @@ def attention(
             attention logit soft-capping); ``kernel: auto`` picks a kernel that applies it.
         sinks: None, or ``[H]`` attention-sink logits, one per query head (gpt-oss ``s_aux``): each
             joins every row's softmax denominator with a zero value; differentiable.
+        chunk: None, or c >= 1: chunked attention (Llama 4's ``attention_chunk_size``): a query sees only
+            the keys of its own chunk of c consecutive tokens of its row (counted from the row's first
+            real token), with ``causal`` and ``window`` inside; run as documents cut at every chunk border.
+        alibi_slopes: None, or ``[H]`` ALiBi slopes, one per query head (BLOOM, MPT): score (i, j) of head h
+            gains ``alibi_slopes[h] · (j - i)`` in GLOBAL positions (a constant: no gradient). Each Ulysses rank
+            applies the slopes of the heads it holds; nothing more is communicated.
 
     Returns:
         ``out [B, n, H, D]`` in q.dtype; differentiable in q, k, v (and sinks). Exact for every
@@ -175,26 +211,58 @@ def attention(
     """
     settings = mesh.settings
     layout = settings.input_layout().for_batch(doc_ids)  # ring.layout='documents': the batch's placement
-    seq_len = _check(q, k, v, mesh, layout, positions, doc_ids, sinks)
+    seq_len = _check(q, k, v, mesh, layout, positions, doc_ids, sinks, alibi_slopes)
     softcap = check_softcap(softcap)
     resolve_kernel(
-        settings.kernel, q.device, q.dtype, softcap
+        settings.kernel, q.device, q.dtype, softcap, alibi_slopes is not None
     )  # an unavailable kernel fails here, not mid-collective
-    agree = (q, k, v, sinks, doc_ids), (int(causal), -1 if window is None else window)
+    flags = tuple(-1 if x is None else int(x) for x in (causal, window, chunk))
+    agree = functools.partial(check_same_inputs, mesh, "ds_seqpar.attention", AGREED,
+                              (q, k, v, sinks, doc_ids, alibi_slopes), flags, SAME_SHARDS, AGREED_FLAGS)  # fmt: skip
+    doc_ids = _chunked(doc_ids, chunk, seq_len, q.device, settings.attention)  # the mask's documents
     if settings.attention == "sparse_ring" and causal and sparse_layer_active(settings.sparse, layer, step):
         resolve_sparse_kernel(settings.sparse.kernel, q.device, q.dtype)  # fails here, not mid-collective
-        check_same_inputs(mesh, "ds_seqpar.attention", AGREED, *agree, SAME_SHARDS, ("causal", "window"))
+        agree()
         mask = dict(window=window, doc_ids=doc_ids, work=work, layer=layer, softcap=softcap, sinks=sinks)
         return sparse_attention(q, k, v, mesh=mesh, layout=layout, schedule=mesh.schedule(), seq_len=seq_len,
                                 softmax_scale=softmax_scale, **mask)  # fmt: skip
     mask = MaskSpec(causal=causal, window=window)
     if layout.group_degree is not None:  # dynamic_degree: this batch runs in groups over their own documents
-        plan = grouped_plan(mesh, layout, mask, doc_ids, work, softcap)
-        check_same_inputs(mesh, "ds_seqpar.attention", AGREED, *agree, SAME_SHARDS, ("causal", "window"))
+        plan = dataclasses.replace(
+            grouped_plan(mesh, layout, mask, doc_ids, work, softcap), alibi=alibi_slopes
+        )
+        agree()
         return grouped_attention(q, k, v, plan, softmax_scale, sinks)
     plan = _ring_plan(mesh, layout, mask, doc_ids, work, softcap)
-    check_same_inputs(mesh, "ds_seqpar.attention", AGREED, *agree, SAME_SHARDS, ("causal", "window"))
-    return _ulysses_over_ring(q, k, v, mesh, plan, softmax_scale, sinks)
+    agree()
+    return _ulysses_over_ring(q, k, v, mesh, plan, softmax_scale, sinks, alibi_slopes)
+
+
+CHUNK_IDS: dict[tuple, tuple[torch.Tensor | None, torch.Tensor]] = {}  # (ids tensor or None, chunked ids)
+
+
+def _chunked(
+    doc_ids: torch.Tensor | None, chunk: int | None, seq_len: int, device: torch.device, algorithm: str
+) -> torch.Tensor | None:
+    """The document ids of the mask: ``doc_ids`` itself without a chunk, else ``chunk_doc_ids``, built once
+    per batch (every chunked layer of a step asks with the same ids, and the ring plan is cached per ids
+    tensor). The layout keeps following ``doc_ids``."""
+    if check_chunk(chunk) is None:
+        return doc_ids
+    if algorithm == "sparse_ring":
+        raise ValueError(
+            f"chunk={chunk} (chunked attention) is not supported with sequence_parallel.attention='sparse_ring': "
+            "its pattern is estimated over the whole row; use attention 'usp' for a model with chunked layers"
+        )
+    key = (None if doc_ids is None else id(doc_ids), chunk, seq_len, str(device))
+    entry = CHUNK_IDS.get(key)
+    if entry is not None and entry[0] is doc_ids:
+        return entry[1]
+    if len(CHUNK_IDS) >= 16:
+        CHUNK_IDS.clear()
+    ids = chunk_doc_ids(doc_ids, chunk, seq_len, device)
+    CHUNK_IDS[key] = (doc_ids, ids)
+    return ids
 
 
 def _ring_plan(
@@ -232,13 +300,16 @@ def _ulysses_over_ring(
     plan: RingPlan,
     scale: float | None,
     sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Ulysses all-to-all over heads (pipelined in head groups when R = 1), the schedule's ring-axis
-    attention, and the inverse all-to-all: ``[B, n, H, D]`` in, the same out."""
+    """Ulysses all-to-all over heads (pipelined in head groups when R = 1, not with ALiBi), the schedule's
+    ring-axis attention, and the inverse all-to-all: ``[B, n, H, D]`` in, the same out."""
     runner = RUNNERS[mesh.settings.schedule.runner]
-    run = functools.partial(_run, runner, plan, scale, mesh.settings)
     heads = HeadPlan.build(q.shape[2], k.shape[2], mesh.ulysses_size)
-    groups = _head_groups(mesh, heads)
+    if alibi_slopes is not None:  # this rank's heads' slopes (the same slicing as the sinks)
+        plan = dataclasses.replace(plan, alibi=local_sinks(alibi_slopes, heads, mesh))
+    run = functools.partial(_run, runner, plan, scale, mesh.settings)
+    groups = None if alibi_slopes is not None else _head_groups(mesh, heads)
     if groups is not None:
         return pipelined_ulysses(q, k, v, heads, groups, mesh, run, sinks)
     q2, k2, v2 = scatter_heads(q, k, v, heads, mesh, separate=mesh.ring_size > 1)

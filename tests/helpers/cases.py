@@ -31,7 +31,8 @@ class AttentionCase:
 
     Inputs: ``seq_len`` tokens, ``h`` query and ``h_kv`` K/V heads, ``dtype``, ``seed`` (and ``batch`` rows
     where a runner draws its own inputs). Mask: ``causal``, ``window``, packed documents ``cu_seqlens``
-    (``[0, ..., end]``; tokens past ``end`` are padding). Mesh: ``u`` = ulysses_degree, ``inner`` =
+    (``[0, ..., end]``; tokens past ``end`` are padding; the first ``left_pad`` tokens are padding too),
+    attention ``chunk`` (Llama 4's chunked attention). Mesh: ``u`` = ulysses_degree, ``inner`` =
     ring.inner_size, ``schedule`` and its keys, ``chunks`` = ulysses_chunks. Engine knobs of the ring
     sweep: ``kernel``, ``tile_min`` (backward tile rows), ``delta`` (the backward on rowsum(dout · out)).
     """
@@ -62,8 +63,11 @@ class AttentionCase:
     attention: str = "usp"
     softcap: float | None = None
     sinks: bool = False
+    alibi: bool = False
     sparse: str | None = None
     dynamic: bool = False
+    chunk: int | None = None
+    left_pad: int = 0
 
     def section(self, world: int) -> dict:
         """The ``sequence_parallel`` section of this case's mesh over ``world`` ranks."""
@@ -95,7 +99,10 @@ class AttentionCase:
 
     def doc_ids(self) -> torch.Tensor | None:
         """Document id per token ``[S]`` (padding -1), or None without packed documents."""
-        return _doc_ids(self.cu_seqlens, self.seq_len)
+        ids = _doc_ids(self.cu_seqlens, self.seq_len)
+        if ids is not None and self.left_pad:
+            ids[: self.left_pad] = -1
+        return ids
 
     @property
     def segments(self) -> int:

@@ -15,17 +15,35 @@ FEATURE_MODELS = {
     "granite": dict(logits_scaling=4.0),
     "cohere": dict(logit_scale=0.25),
     "gpt_oss": dict(sliding_window=12),  # attention sinks (s_aux) on every layer
+    # chunked attention (layer 0) and a NoPE layer's query temperature from the global index (layer 1)
+    "llama4_text": dict(
+        attention_chunk_size=16,
+        floor_scale=4,
+        attn_scale=0.5,
+        no_rope_layers=[1, 0],
+        layer_types=["chunked_attention", "full_attention"],
+        intermediate_size_mlp=96,
+        num_local_experts=2,
+    ),
 }
 
 
 # bidirectional encoders with a masked-LM head
 ENCODER_MODELS = ("modernbert", "bert")
-# hybrids whose recurrent layers ds_seqpar routes (GDN, KDA, Mamba2), built by benchmarks/tiny_configs.py
-HYBRID_MODELS = (
-    "qwen3_next", "qwen3_5", "kimi_linear", "nemotron_h", "bamba", "granitemoehybrid", "zamba2",
-    "recurrent_gemma", "rwkv", "xlstm",
-)  # fmt: skip
+# models whose recurrent layers ds_seqpar routes (GDN, KDA, Mamba2, Mamba v1, short convs, ZAYA's convolved
+# projections, RG-LRU, RWKV, mLSTM), built by benchmarks/tiny_configs.py
+HYBRID_MODELS = ("qwen3_next", "qwen3_5", "kimi_linear", "nemotron_h", "bamba", "granitemoehybrid", "zamba2",
+                 "olmo_hybrid", "bailing_hybrid", "lara_mini", "lfm2", "lfm2_moe", "lfm3", "zaya",
+                 "mamba", "falcon_mamba", "jamba", "zamba", "mamba2", "falcon_h1", "recurrent_gemma", "rwkv",
+                 "xlstm")  # fmt: skip
+# families with ALiBi attentions ds_seqpar routes (integrations/attention_layers.py), built by benchmarks/tiny_configs.py
+ALIBI_MODELS = ("bloom", "mpt")
+# DeepSeek sparse attention (MLA + a top-k indexer, routed by integrations/dsa_adapters.py), built likewise
+DSA_MODELS = ("deepseek_v32",)
 MASK_ID = 4  # the tiny encoders' mask token
+# BERT-style decoders (is_decoder=True) whose positions come from a position rule (ds_seqpar/integrations/
+# positions.py: RoBERTa's padding offset; pad token 1), built by benchmarks/tiny_configs.py
+BERT_DECODERS = ("roberta",)
 
 
 def tiny_encoder(kind: str, seed: int = 0) -> torch.nn.Module:
@@ -108,13 +126,29 @@ def masked_batches(
 def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
     """A float32 causal LM: ``llama``, ``mistral`` (sliding window), ``qwen3`` (H=8, H_kv=2), ``qwen3_moe``, or one of
     :data:`FEATURE_MODELS` (Gemma 2 soft-caps, Granite logit divisor, Cohere logit scale, gpt-oss sinks); one of
-    :data:`ENCODER_MODELS` gives :func:`tiny_encoder`, one of :data:`HYBRID_MODELS` the sweep's tiny hybrid."""
+    :data:`ENCODER_MODELS` gives :func:`tiny_encoder`, one of :data:`HYBRID_MODELS` (or :data:`BERT_DECODERS`) the sweep's tiny model."""
     if kind in ENCODER_MODELS:
         return tiny_encoder(kind, seed)
-    if kind in HYBRID_MODELS:
+    if kind in DSA_MODELS and overrides:  # config fields of the tiny model (e.g. more indexer heads)
+        from benchmarks.tiny_configs import tiny_config
+
+        cfg = tiny_config(kind)
+        for key, value in overrides.items():
+            setattr(cfg, key, value)
+        torch.manual_seed(seed)
+        model = transformers_class(kind)(cfg).float().train()
+        model.set_attn_implementation("sdpa")
+        return model
+    if kind in HYBRID_MODELS or kind in BERT_DECODERS or kind in ALIBI_MODELS or kind in DSA_MODELS:
         from benchmarks.tiny_configs import build_tiny_model
 
-        return build_tiny_model(kind, seed=seed)
+        model = build_tiny_model(kind, seed=seed)
+        if overrides:  # fields of the tiny hybrid's config (Falcon-H1's multipliers, Mamba's dt range)
+            model.config.update(overrides)
+            torch.manual_seed(seed)
+            model = type(model)(model.config).float().train()
+            model.set_attn_implementation("sdpa" if model._supports_sdpa else "eager")
+        return model
     if kind == "whisper":
         return tiny_whisper(seed)
     import transformers
@@ -182,6 +216,14 @@ def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
             if name.endswith(".sinks"):
                 param.normal_()
     return model
+
+
+def transformers_class(kind: str) -> type:
+    """The causal-LM class of a model type."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])
 
 
 def batches(num: int, batch_size: int, seq_len: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:

@@ -5,7 +5,7 @@ the registry ``KERNELS`` (``torch_kernel.py``, ``cpu_sdpa.py``, ``cuda_sdpa.py``
 ``reference.py`` is the dense fp64 reference every kernel and distributed algorithm is tested against.
 """
 
-from ds_seqpar.ops.attention.contract import AttentionKernel, Band, Varlen
+from ds_seqpar.ops.attention.contract import Alibi, AttentionKernel, Band, Varlen
 from ds_seqpar.ops.attention.dispatch import (
     KERNELS,
     available_kernels,
@@ -22,6 +22,7 @@ from ds_seqpar.ops.attention.torch_kernel import torch_chunked_kernel
 
 __all__ = [
     "KERNELS",
+    "Alibi",
     "AttentionKernel",
     "Band",
     "Varlen",

@@ -18,6 +18,9 @@ Contract:
     softcap   None, or c > 0: every score s = scale · q·k becomes c · tanh(s / c) before the softmax
               (Gemma 2 attention logit soft-capping); lse is that of the capped scores, and the
               backward multiplies the score gradient by 1 - tanh²(s / c)
+    alibi     None, or an ``Alibi``: score (i, j) of head h gains slopes[h] · (k_pos[j] - q_pos[i]) from the
+              tokens' GLOBAL positions (after the softcap); a constant, so the backward is unchanged but
+              for recomputing the biased scores (docs/kernels.md "ALiBi")
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AttentionKernel", "BackwardFn", "Band", "ForwardFn", "Varlen"]
+__all__ = ["Alibi", "AttentionKernel", "BackwardFn", "Band", "ForwardFn", "Varlen"]
 
 # forward(q, k, v, scale, mask, causal, softcap) -> (out, lse); mask is None or bool [B|1, Sq, Sk];
-# softcap is None or c > 0 (only passed to kernels with ``softcap=True``)
+# softcap is None or c > 0 (only passed to kernels with ``softcap=True``); kernels with ``alibi=True``
+# also take ``alibi=Alibi(...)`` as a keyword (never passed when None, nor to other kernels)
 ForwardFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor | None, bool, float | None],
     tuple[torch.Tensor, torch.Tensor],
@@ -60,7 +64,8 @@ class AttentionKernel:
     ``forward`` / ``backward`` receive validated inputs (Sq, Sk >= 1; mask bool ``[B|1, Sq, Sk]``;
     backward gets lse with -inf rows replaced by 0 and their dout zeroed). ``unavailable`` returns
     why the kernel cannot run for ``(device, dtype)``, or None when it can. ``softcap``: whether the
-    kernel applies score soft-capping (kernels without it always receive ``softcap=None``).
+    kernel applies score soft-capping (kernels without it always receive ``softcap=None``). ``alibi``:
+    whether ``forward`` / ``backward`` take the keyword ``alibi`` (an :class:`Alibi`, never None).
     """
 
     name: str
@@ -71,6 +76,7 @@ class AttentionKernel:
     varlen: Varlen | None = None
     band: Band | None = None
     summary: str = ""
+    alibi: bool = False  # last: positional construction of the fields above stays as it was
 
 
 @dataclass(frozen=True)
@@ -101,3 +107,30 @@ class Varlen:
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     takes: Callable[[torch.Tensor], bool]
+
+
+@dataclass(frozen=True)
+class Alibi:
+    """The ALiBi bias of one block: score (i, j) of query head h gains ``slopes[h] · (k_pos[j] - q_pos[i])``.
+
+    ``slopes`` [H] float (per QUERY head); ``q_pos`` [Sq] / [B, Sq] and ``k_pos`` [Sk] / [B, Sk] integer
+    GLOBAL token positions. Families that add ``slopes[h] · j`` (BLOOM, MPT) get the same softmax: the
+    difference is ``slopes[h] · i``, constant along a row (docs/kernels.md "ALiBi").
+    """
+
+    slopes: torch.Tensor
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+
+    def bias(self, qs: int, qe: int, ks: int, ke: int, dtype: torch.dtype) -> torch.Tensor:
+        """The bias of query rows [qs, qe) x keys [ks, ke): ``[B|1, H, qe - qs, ke - ks]`` in ``dtype``
+        (distances taken in int64, then converted: exact for any position below 2**24 in fp32)."""
+        dist = self.k_pos[..., ks:ke].long().unsqueeze(-2) - self.q_pos[..., qs:qe].long().unsqueeze(-1)
+        dist = dist.to(dtype)
+        if dist.dim() == 2:
+            dist = dist.unsqueeze(0)
+        return self.slopes.to(dtype).view(1, -1, 1, 1) * dist.unsqueeze(1)
+
+    def rows(self, q_rows: slice, k_rows: slice) -> Alibi:
+        """The bias of a sub-block (query rows ``q_rows`` x keys ``k_rows``)."""
+        return Alibi(self.slopes, self.q_pos[..., q_rows], self.k_pos[..., k_rows])

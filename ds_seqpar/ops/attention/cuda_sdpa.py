@@ -14,7 +14,9 @@ over all key blocks) out and lse of the rows, exactly as for the other kernels. 
 ``[B, H, S, D]`` with as many K/V heads as query heads, so K/V heads are repeated for GQA and their
 gradients summed over each group. The efficient op pads its lse to a multiple of 32 rows and wants
 the bias's last dim aligned to 16 elements; both are handled here. Rows that the mask hides entirely
-get out 0 and lse -inf (no host sync). No softcap (the kernel registry skips it then).
+get out 0 and lse -inf (no host sync). No softcap (the kernel registry skips it then). ALiBi: every
+block on the efficient op in float32 with the per-head bias ``[B, H, Sq, Sk]`` (mask and causality folded
+in as -inf), whatever the input dtype (a bias of slope · distance in half precision would round).
 
 Every call is exercised on ``device="meta"`` tensors in CPU tests (the ops have meta kernels) and
 against CPU stand-ins of the two op pairs; ``benchmarks/gpu_check.py`` checks the arithmetic on a GPU.
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_seqpar.ops.attention.contract import AttentionKernel
+from ds_seqpar.ops.attention.contract import Alibi, AttentionKernel
 
 NEG_INF = float("-inf")
 LSE_ROWS = 32  # the efficient op's log-sum-exp is padded to a multiple of this many rows
@@ -101,6 +103,59 @@ def _bias(mask: torch.Tensor, batch: int, heads: int, dtype: torch.dtype) -> tor
     return view.expand(batch, heads, sq, sk)
 
 
+def _alibi_bias(
+    alibi: Alibi, mask: torch.Tensor | None, causal: bool, q: torch.Tensor, sk: int
+) -> torch.Tensor:
+    """The ALiBi bias of a block as the efficient op takes it: float32 ``[B, H, Sq, Sk]`` in a buffer whose
+    last dim is padded to ``BIAS_ALIGN``, every batch row written, hidden pairs -inf."""
+    b, sq, h, _ = q.shape
+    padded = -(-sk // BIAS_ALIGN) * BIAS_ALIGN
+    buf = torch.zeros(b, h, sq, padded, dtype=torch.float32, device=q.device)
+    view = buf[..., :sk]
+    view.copy_(alibi.bias(0, sq, 0, sk, torch.float32).expand(b, h, sq, sk))
+    if causal:
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril().unsqueeze(0)
+    if mask is not None:
+        view.masked_fill_(~mask.unsqueeze(1), NEG_INF)
+    return view
+
+
+def _alibi_forward(q, k, v, scale, mask, causal, alibi):
+    """A block with ALiBi: the efficient op in float32 with the bias; out in q.dtype, lse fp32."""
+    group, sq = q.shape[2] // k.shape[2], q.shape[1]
+    q_t, k_t, v_t = q.float().transpose(1, 2), _heads_first(k.float(), group), _heads_first(v.float(), group)
+    bias = _alibi_bias(alibi, mask, causal, q, k.shape[1])
+    res = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q_t, k_t, v_t, bias, True, 0.0, False, scale=scale
+    )
+    out, lse = res[0].transpose(1, 2).to(q.dtype), res[1][..., :sq]
+    if mask is not None:  # rows that see no key: out 0, lse -inf
+        empty = ~mask.any(dim=-1)
+        out = out.masked_fill(empty[:, :, None, None], 0.0)
+        lse = lse.masked_fill(empty.unsqueeze(1), NEG_INF)
+    return out, lse.float()
+
+
+def _alibi_backward(dout, q, k, v, out, lse, scale, mask, causal, alibi):
+    """Gradients of a block with ALiBi (float32 efficient op), in q.dtype."""
+    b, _, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    group = h // hkv
+    q_t, k_t, v_t = q.float().transpose(1, 2), _heads_first(k.float(), group), _heads_first(v.float(), group)
+    do_t, o_t = (x.float().transpose(1, 2) for x in (dout, out))
+    bias = _alibi_bias(alibi, mask, causal, q, sk)
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    offset = torch.zeros((), dtype=torch.int64, device=q.device)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        do_t, q_t, k_t, v_t, bias, o_t, _padded_lse(lse.float().contiguous()), seed, offset, 0.0,
+        [True, True, True, False], False, scale=scale,
+    )  # fmt: skip
+    if group > 1:  # repeated K/V heads: sum each group's gradients
+        dk = dk.reshape(b, hkv, group, sk, d).sum(2)
+        dv = dv.reshape(b, hkv, group, sk, d).sum(2)
+    return tuple(x.transpose(1, 2).to(q.dtype) for x in (dq, dk, dv))
+
+
 def _padded_lse(lse: torch.Tensor) -> torch.Tensor:
     """``[B, H, Sq]`` -> ``[B, H, ceil(Sq / 32) * 32]`` (the efficient op's layout)."""
     sq = lse.shape[-1]
@@ -116,9 +171,12 @@ def forward(
     mask: torch.Tensor | None,
     causal: bool,
     softcap: float | None = None,
+    alibi: Alibi | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [B, Sq, H, D]``, ``k, v [B, Sk, H_kv, D]`` -> ``out [B, Sq, H, D]`` (q.dtype), ``lse [B, H, Sq]`` fp32."""
     refuse_softcap("cuda_sdpa", softcap)
+    if alibi is not None:
+        return _alibi_forward(q, k, v, scale, mask, causal, alibi)
     if efficient_in_fp32(q, mask, causal, k.shape[1]):
         out, lse = forward(q.float(), k.float(), v.float(), scale, mask, causal)
         return out.to(q.dtype), lse
@@ -154,9 +212,12 @@ def backward(
     mask: torch.Tensor | None,
     causal: bool,
     softcap: float | None = None,
+    alibi: Alibi | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients given the FINAL ``out [B, Sq, H, D]`` / ``lse [B, H, Sq]`` (finite) of the rows."""
     refuse_softcap("cuda_sdpa", softcap)
+    if alibi is not None:
+        return _alibi_backward(dout, q, k, v, out, lse, scale, mask, causal, alibi)
     if efficient_in_fp32(q, mask, causal, k.shape[1]):
         grads = backward(dout.float(), q.float(), k.float(), v.float(), out, lse, scale, mask, causal)
         return tuple(g.to(q.dtype) for g in grads)  # type: ignore[return-value]
@@ -193,4 +254,5 @@ CUDA_SDPA = AttentionKernel(
     backward=backward,
     unavailable=unavailable,
     summary="PyTorch's fused CUDA ops",
+    alibi=True,
 )

@@ -3,11 +3,12 @@
 Kernels (one registry, ``ops/backends.py``; registration order is the ``auto`` order, fastest exact first):
     flash_attn  flash-attn on CUDA for fp16/bf16 (``flash.py``): FULL and square causal blocks through its
                 own block functions (softcap natively), packed documents through its varlen pair,
-                sliding-window bands through ``window_size``; other blocks on cuda_sdpa (torch with a softcap)
-    cuda_sdpa   PyTorch's fused CUDA ops (``cuda_sdpa.py``); no softcap
-    sdpa        PyTorch's CPU flash op (``cpu_sdpa.py``); no softcap
-    torch       pure PyTorch, chunked (``torch_kernel.py``); the reference; softcap
-    auto        the first available (with a softcap: the first that applies it)
+                sliding-window bands through ``window_size``; other blocks, and every ALiBi block, on cuda_sdpa
+                (torch with a softcap)
+    cuda_sdpa   PyTorch's fused CUDA ops (``cuda_sdpa.py``); no softcap; ALiBi (float32 efficient op)
+    sdpa        PyTorch's CPU flash op (``cpu_sdpa.py``); no softcap; ALiBi
+    torch       pure PyTorch, chunked (``torch_kernel.py``); the reference; softcap; ALiBi
+    auto        the first available (with a softcap / ALiBi: the first that applies it)
 
 A new kernel is an ``AttentionKernel`` (``contract.py``) given to :func:`register_kernel`;
 ``sequence_parallel.kernel`` then accepts its name (docs/architecture.md, "How to add a kernel").
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_seqpar.ops.attention.contract import AttentionKernel
+from ds_seqpar.ops.attention.contract import Alibi, AttentionKernel
 from ds_seqpar.ops.attention.cpu_sdpa import SDPA
 from ds_seqpar.ops.attention.cuda_sdpa import CUDA_SDPA
 from ds_seqpar.ops.attention.flash import flash_attn_kernel
@@ -57,14 +58,18 @@ for _kernel in (flash_attn_kernel(CUDA_SDPA, _TORCH), CUDA_SDPA, SDPA, _TORCH):
 del _kernel
 
 
-def _applies(softcap: float | None):
-    """The registry's ``accepts`` for a softcap: kernels that apply it (None without one)."""
-    return None if softcap is None else (lambda kernel: kernel.softcap)
+def _accepts(softcap: float | None, alibi: bool = False):
+    """The registry's ``accepts``: kernels that apply the softcap and ALiBi asked for (None: any)."""
+    if softcap is None and not alibi:
+        return None
+    return lambda kernel: (softcap is None or kernel.softcap) and (not alibi or kernel.alibi)
 
 
-def available_kernels(device: torch.device | str, dtype: torch.dtype, softcap: bool = False) -> list[str]:
-    """Kernel names that can run for ``(device, dtype)`` (and apply a softcap, if asked), in ``auto`` order."""
-    return KERNELS.available(device, dtype, (lambda kernel: kernel.softcap) if softcap else None)
+def available_kernels(
+    device: torch.device | str, dtype: torch.dtype, softcap: bool = False, alibi: bool = False
+) -> list[str]:
+    """Kernel names that can run for ``(device, dtype)`` (and apply a softcap / ALiBi, if asked), in ``auto`` order."""
+    return KERNELS.available(device, dtype, _accepts(1.0 if softcap else None, alibi))
 
 
 def check_softcap(softcap: float | None) -> float | None:
@@ -79,18 +84,28 @@ def check_softcap(softcap: float | None) -> float | None:
     return float(softcap)
 
 
+def _refusal(softcap: float | None, alibi: bool) -> str:
+    wants = [f"softcap={softcap} (attention logit soft-capping)"] if softcap is not None else []
+    wants += ["ALiBi (alibi_slopes, a per-head linear position bias)"] if alibi else []
+    return "cannot apply " + " and ".join(wants)
+
+
 def _resolve(
-    kernel: str | AttentionKernel, device: torch.device, dtype: torch.dtype, softcap: float | None = None
+    kernel: str | AttentionKernel,
+    device: torch.device,
+    dtype: torch.dtype,
+    softcap: float | None = None,
+    alibi: bool = False,
 ) -> AttentionKernel:
-    refusal = f"cannot apply softcap={softcap} (attention logit soft-capping)"
+    refusal, accepts = _refusal(softcap, alibi), _accepts(softcap, alibi)
     if not isinstance(kernel, AttentionKernel):
-        detail = " with softcap" if softcap is not None else ""
-        return KERNELS.resolve(kernel, device, dtype, _applies(softcap), refusal, detail)
+        detail = (" with softcap" if softcap is not None else "") + (" with alibi" if alibi else "")
+        return KERNELS.resolve(kernel, device, dtype, accepts, refusal, detail)
     reason = kernel.unavailable(device, dtype)
-    if reason is None and softcap is not None and not kernel.softcap:
+    if reason is None and accepts is not None and not accepts(kernel):
         reason = refusal
     if reason is not None:
-        valid = ", ".join([AUTO, *available_kernels(device, dtype, softcap is not None)])
+        valid = ", ".join([AUTO, *available_kernels(device, dtype, softcap is not None, alibi)])
         raise ValueError(f"kernel={kernel.name!r} {reason}; valid here ({device.type}, {dtype}): {valid}")
     return kernel
 
@@ -100,18 +115,37 @@ def kernel_for(
     device: torch.device | str,
     dtype: torch.dtype,
     softcap: float | None = None,
+    alibi: bool = False,
 ) -> AttentionKernel:
     """The kernel object ``kernel`` (a name, ``"auto"`` or an :class:`AttentionKernel`) runs as; ValueError
     if it cannot run (resolve once per call, then pass the object to the block functions)."""
-    return _resolve(kernel, torch.device(device), dtype, check_softcap(softcap))
+    return _resolve(kernel, torch.device(device), dtype, check_softcap(softcap), alibi)
 
 
 def resolve_kernel(
-    name: str, device: torch.device | str, dtype: torch.dtype, softcap: float | None = None
+    name: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    softcap: float | None = None,
+    alibi: bool = False,
 ) -> str:
-    """The concrete kernel ``name`` runs as (``"auto"`` -> fastest available that applies ``softcap``);
-    ValueError if it cannot run."""
-    return _resolve(name, torch.device(device), dtype, check_softcap(softcap)).name
+    """The concrete kernel ``name`` runs as (``"auto"`` -> fastest available that applies ``softcap`` and
+    ALiBi when asked); ValueError if it cannot run."""
+    return _resolve(name, torch.device(device), dtype, check_softcap(softcap), alibi).name
+
+
+def _check_alibi(alibi: Alibi | None, q: torch.Tensor, k: torch.Tensor) -> dict:
+    """The kernel keyword for ``alibi`` (empty without one); a ValueError unless its shapes fit q / k."""
+    if alibi is None:
+        return {}
+    (b, sq, h, _), sk = q.shape, k.shape[1]
+    fits = alibi.slopes.shape == (h,) and alibi.q_pos.shape in ((sq,), (b, sq))
+    if not fits or alibi.k_pos.shape not in ((sk,), (b, sk)):
+        raise ValueError(
+            f"alibi slopes {tuple(alibi.slopes.shape)}, q_pos {tuple(alibi.q_pos.shape)}, k_pos "
+            f"{tuple(alibi.k_pos.shape)} do not fit H={h}, Sq={sq}, Sk={sk}, B={b}: use [H], [Sq] | [B, Sq], [Sk] | [B, Sk]"
+        )
+    return {"alibi": alibi}
 
 
 def _validate(
@@ -171,6 +205,7 @@ def block_attn_forward(
     kernel: str | AttentionKernel = "auto",
     out_dtype: torch.dtype | None = None,
     softcap: float | None = None,
+    alibi: Alibi | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query block over one key/value block, with its log-sum-exp.
 
@@ -185,19 +220,21 @@ def block_attn_forward(
             covers the whole attention) passes q.dtype and skips two conversions.
         softcap: None, or c > 0: scores become c·tanh(score / c) before the softmax (``auto`` then
             picks a kernel that applies it; a named kernel that cannot raises).
+        alibi: None, or an :class:`Alibi` (slopes ``[H]``, global positions of the rows and keys): score
+            (i, j) of head h gains ``slopes[h] · (k_pos[j] - q_pos[i])`` (``auto`` picks a kernel that applies it).
 
     Returns:
         ``(out [B, Sq, H, D], lse [B, H, Sq])``: out in ``out_dtype``, lse in the acc dtype (fp64 for
         fp64 inputs, else fp32); rows that see no key have out 0 and lse -inf.
     """
     mask = _validate(q, k, v, mask, causal)
-    softcap = check_softcap(softcap)
-    kern = _resolve(kernel, q.device, q.dtype, softcap)
+    softcap, bias = check_softcap(softcap), _check_alibi(alibi, q, k)
+    kern = _resolve(kernel, q.device, q.dtype, softcap, alibi is not None)
     (b, sq, h, d), sk = q.shape, k.shape[1]
     acc = accumulation_dtype(q.dtype)
     if sq == 0 or sk == 0:
         return q.new_zeros(b, sq, h, d, dtype=out_dtype or acc), q.new_full((b, h, sq), NEG_INF, dtype=acc)
-    out, lse = kern.forward(q, k, v, d**-0.5 if scale is None else scale, mask, causal, softcap)
+    out, lse = kern.forward(q, k, v, d**-0.5 if scale is None else scale, mask, causal, softcap, **bias)
     return out.to(out_dtype or acc), lse.to(acc)
 
 
@@ -216,12 +253,13 @@ def block_attn_backward(
     grad_dtype: torch.dtype | None = None,
     softcap: float | None = None,
     inert: bool = False,
+    alibi: Alibi | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one (query block, key block) pair given the FINAL out / lse of the query rows.
 
     Args:
         dout, out: ``[B, Sq, H, D]`` (any float dtype); lse: ``[B, H, Sq]``; q, k, v, scale, mask,
-            causal, kernel, softcap: as in :func:`block_attn_forward`.
+            causal, kernel, softcap, alibi: as in :func:`block_attn_forward`.
         grad_dtype: dtype of the gradients (default: the acc dtype, for summing over blocks).
         inert: the caller guarantees that no row has lse = -inf (or made such rows inert with
             ``ops.merge.inert_empty_rows``): the masked copy of ``dout`` is skipped.
@@ -232,8 +270,8 @@ def block_attn_backward(
         gradient.
     """
     mask = _validate(q, k, v, mask, causal)
-    softcap = check_softcap(softcap)
-    kern = _resolve(kernel, q.device, q.dtype, softcap)
+    softcap, bias = check_softcap(softcap), _check_alibi(alibi, q, k)
+    kern = _resolve(kernel, q.device, q.dtype, softcap, alibi is not None)
     (b, sq, h, d), (_, sk, hkv, _) = q.shape, k.shape
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != (b, h, sq):
         raise ValueError(
@@ -249,5 +287,7 @@ def block_attn_backward(
         )
     if not inert:  # rows that saw no key anywhere: inert instead of NaN (unconditionally: no host sync)
         dout, lse = inert_empty_rows(dout, lse)
-    grads = kern.backward(dout, q, k, v, out, lse, d**-0.5 if scale is None else scale, mask, causal, softcap)
+    grads = kern.backward(
+        dout, q, k, v, out, lse, d**-0.5 if scale is None else scale, mask, causal, softcap, **bias
+    )
     return tuple(g.to(acc) for g in grads)

@@ -14,6 +14,8 @@ the version in the message. Per block:
     packed documents (engine's varlen groups)                 flash-attn varlen forward + backward
     PARTIAL (mask), rectangular causal, other head dims       ``cuda_sdpa`` (efficient op, additive bias)
     the same with a softcap                                   the chunked torch kernel
+    every block with ALiBi                                    ``cuda_sdpa`` (torch with a softcap): flash-attn's
+                                                              ``alibi_slopes`` is by LOCAL index (docs/kernels.md)
 
 Layouts: q ``[B, Sq, H, D]``, k, v ``[B, Sk, H_kv, D]`` (GQA native), lse ``[B, H, Sq]`` fp32; varlen: q
 ``[T, H, D]`` with ``cu_seqlens`` int32, lse ``[H, T]``. Tested on CPU against a stand-in of the
@@ -348,20 +350,29 @@ def _flash_takes(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, ca
     return mask is None and (not causal or q.shape[1] == k.shape[1]) and d % 8 == 0 and d <= 256
 
 
-def _other(fallback: AttentionKernel, capped: AttentionKernel, softcap: float | None) -> AttentionKernel:
-    return fallback if softcap is None or fallback.softcap else capped
+def _other(
+    fallback: AttentionKernel, capped: AttentionKernel, softcap: float | None, alibi: Any = None
+) -> AttentionKernel:
+    """The kernel of a block flash-attn does not take: ``fallback`` unless it cannot apply the softcap or
+    ALiBi asked for, then ``capped``."""
+    takes = (softcap is None or fallback.softcap) and (alibi is None or fallback.alibi)
+    return fallback if takes else capped
 
 
-def _flash_forward(q, k, v, scale, mask, causal, softcap=None, *, fallback, capped):
-    if _flash_takes(q, k, mask, causal):
+def _flash_forward(q, k, v, scale, mask, causal, softcap=None, *, fallback, capped, alibi=None):
+    if alibi is None and _flash_takes(q, k, mask, causal):
         return flash_forward(q, k, v, scale, causal, softcap)
-    return _other(fallback, capped, softcap).forward(q, k, v, scale, mask, causal, softcap)
+    kernel, bias = _other(fallback, capped, softcap, alibi), {} if alibi is None else {"alibi": alibi}
+    return kernel.forward(q, k, v, scale, mask, causal, softcap, **bias)
 
 
-def _flash_backward(dout, q, k, v, out, lse, scale, mask, causal, softcap=None, *, fallback, capped):
-    if _flash_takes(q, k, mask, causal):
+def _flash_backward(
+    dout, q, k, v, out, lse, scale, mask, causal, softcap=None, *, fallback, capped, alibi=None
+):
+    if alibi is None and _flash_takes(q, k, mask, causal):
         return flash_backward(dout, q, k, v, out, lse, scale, causal, softcap)
-    return _other(fallback, capped, softcap).backward(dout, q, k, v, out, lse, scale, mask, causal, softcap)
+    kernel, bias = _other(fallback, capped, softcap, alibi), {} if alibi is None else {"alibi": alibi}
+    return kernel.backward(dout, q, k, v, out, lse, scale, mask, causal, softcap, **bias)
 
 
 def _flash_head_dim(q: torch.Tensor) -> bool:
@@ -387,8 +398,8 @@ def flash_attn_kernel(
     unavailable: Callable[[torch.device, torch.dtype], str | None] = flash_unavailable,
 ) -> AttentionKernel:
     """The ``flash_attn`` kernel with ``fallback`` for the blocks flash-attn cannot take (``capped`` for
-    those with a softcap when ``fallback`` has none). Tests build it with CPU kernels and the CPU
-    stand-in of flash-attn."""
+    those with a softcap or ALiBi when ``fallback`` cannot apply it); every ALiBi block goes to them.
+    Tests build it with CPU kernels and the CPU stand-in of flash-attn."""
     extra = dict(fallback=fallback, capped=capped)
     return AttentionKernel(
         name="flash_attn",
@@ -399,4 +410,5 @@ def flash_attn_kernel(
         varlen=Varlen(flash_varlen_forward, flash_varlen_backward, _flash_varlen_takes),
         band=Band(_flash_band_forward, _flash_band_backward, _flash_head_dim),
         summary="flash-attn's block functions, CUDA",
+        alibi=fallback.alibi or capped.alibi,
     )

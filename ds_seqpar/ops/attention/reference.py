@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ds_seqpar.ops.attention.contract import Alibi
+
 __all__ = ["dense_attention_reference"]
 
 
@@ -23,6 +25,7 @@ def dense_attention_reference(
     scale: float | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    alibi: Alibi | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain softmax attention, differentiable by autograd, computed in the input dtype.
 
@@ -34,6 +37,8 @@ def dense_attention_reference(
         softcap: None, or c > 0: scores become ``c · tanh(score / c)`` (Gemma 2).
         sinks: None, or ``[H]`` attention-sink logits (gpt-oss ``s_aux``): one extra logit per head
             in every row's softmax denominator, attached to a zero value vector.
+        alibi: None, or an ``Alibi``: score (i, j) of head h gains ``slopes[h] · (k_pos[j] - q_pos[i])``
+            (after the softcap).
 
     Returns:
         ``(out [B, Sq, H, D], lse [B, H, Sq])``; lse includes the sink. A row that sees no key has
@@ -46,6 +51,8 @@ def dense_attention_reference(
     scores = scale * q.transpose(1, 2) @ k_h.transpose(-1, -2)  # [B, H, Sq, Sk]
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
+    if alibi is not None:
+        scores = scores + alibi.bias(0, q.shape[1], 0, k.shape[1], scores.dtype)
     visible = torch.ones_like(scores, dtype=torch.bool) if mask is None else mask
     per_row = visible if visible.dim() != 2 else visible.unsqueeze(0)
     visible = per_row if per_row.dim() == 4 else per_row.unsqueeze(1)  # [B|1, H|1, Sq, Sk]

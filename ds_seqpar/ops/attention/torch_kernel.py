@@ -1,5 +1,5 @@
 """The ``torch`` block kernel: pure PyTorch, chunked over query and key blocks (memory O(chunk²)); the
-reference among the kernels, any device and dtype, and the one that applies a softcap everywhere."""
+reference among the kernels, any device and dtype, and the one that applies a softcap and ALiBi everywhere."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ds_seqpar.ops.attention.contract import AttentionKernel
+from ds_seqpar.ops.attention.contract import Alibi, AttentionKernel
 from ds_seqpar.ops.backends import always_available
 from ds_seqpar.ops.precision import accumulation_dtype
 
@@ -49,21 +49,35 @@ def _masked_scores(
     visible: torch.Tensor | None,
     g: int,
     softcap: float | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scores ``[B, H_kv, g*cq, ck]`` for grouped queries ``[B, H_kv, g*cq, D]`` and keys ``[B, H_kv, ck, D]``.
 
     Returns ``(scores, tanh)``: with ``softcap`` c the scores are c·tanh(s/c) and ``tanh`` is tanh(s/c)
-    (for the backward's chain factor 1 - tanh²), else ``tanh`` is None.
+    (for the backward's chain factor 1 - tanh²), else ``tanh`` is None. ``bias`` (ALiBi, ``[B|1, H_kv,
+    g*cq, ck]``) is added after the cap.
     """
     s = (q_c @ k_c.transpose(-1, -2)).mul_(scale)
     t = None
     if softcap is not None:
         t = torch.tanh(s.div_(softcap))
         s = t * softcap
+    if bias is not None:
+        s = s + bias
     if visible is not None:
         b, hkv, _, ck = s.shape
         s.view(b, hkv, g, -1, ck).masked_fill_(~visible.unsqueeze(1), NEG_INF)
     return s, t
+
+
+def _chunk_bias(
+    alibi: Alibi | None, hkv: int, qs: int, qe: int, ks: int, ke: int, acc: torch.dtype
+) -> torch.Tensor | None:
+    """The ALiBi bias of one (query chunk, key chunk) in the grouped row order ``[B|1, H_kv, g*cq, ck]``."""
+    if alibi is None:
+        return None
+    bias = alibi.bias(qs, qe, ks, ke, acc)
+    return bias.reshape(bias.shape[0], hkv, -1, ke - ks)
 
 
 def _grouped(x: torch.Tensor, hkv: int, qs: int, qe: int, acc: torch.dtype) -> torch.Tensor:
@@ -89,6 +103,7 @@ def _torch_forward(
     softcap: float | None = None,
     *,
     chunk: int,
+    alibi: Alibi | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -105,7 +120,8 @@ def _torch_forward(
         row_sum = torch.zeros_like(row_max)
         o_c = torch.zeros_like(q_c)
         for ks, ke, visible in _key_chunks(mask, causal, qs, qe, sk, chunk, q.device):
-            s, _ = _masked_scores(q_c, k_h[:, :, ks:ke].to(acc), scale, visible, g, softcap)
+            bias = _chunk_bias(alibi, hkv, qs, qe, ks, ke, acc)
+            s, _ = _masked_scores(q_c, k_h[:, :, ks:ke].to(acc), scale, visible, g, softcap, bias)
             new_max = torch.maximum(row_max, s.amax(dim=-1))
             safe_max = new_max.masked_fill(new_max == NEG_INF, 0.0)  # row still empty: avoid -inf - -inf
             p = torch.exp(s - safe_max.unsqueeze(-1))
@@ -134,6 +150,7 @@ def _torch_backward(
     softcap: float | None = None,
     *,
     chunk: int,
+    alibi: Alibi | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -156,7 +173,8 @@ def _torch_backward(
         for ks, ke, visible in _key_chunks(mask, causal, qs, qe, sk, chunk, q.device):
             k_c = k_h[:, :, ks:ke].to(acc)
             v_c = v_h[:, :, ks:ke].to(acc)
-            s, t = _masked_scores(q_c, k_c, scale, visible, g, softcap)
+            bias = _chunk_bias(alibi, hkv, qs, qe, ks, ke, acc)
+            s, t = _masked_scores(q_c, k_c, scale, visible, g, softcap, bias)
             p = torch.exp(s - lse_c)  # [B, H_kv, g*cq, ck]
             dv[:, :, ks:ke] += p.transpose(-1, -2) @ do_c
             dz = p * (do_c @ v_c.transpose(-1, -2) - delta_c)
@@ -178,5 +196,6 @@ def torch_chunked_kernel(chunk: int = DEFAULT_CHUNK) -> AttentionKernel:
         backward=functools.partial(_torch_backward, chunk=chunk),
         unavailable=always_available,
         softcap=True,
+        alibi=True,
         summary="chunked reference",
     )

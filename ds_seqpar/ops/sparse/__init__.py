@@ -6,6 +6,8 @@
     kernels.py        the sparse kernel registry (``SPARSE_KERNELS``: triton, blocks, masked) and ``visible_pairs``
     work.py           work per (query rank, key rank) and the imbalance ratio ρ_s (db-SP)
     reference.py      the fp64 ground truth (dense attention under the pattern's mask)
+    topk.py           DeepSeek sparse attention: indexer scores, top-k keys per query, attention over them
+                      (docs/dsa.md; used by parallel/topk_sparse.py, not by sparse_ring)
 
 Legend: B, H, H_kv, D batch, query heads, key/value heads, head dim; S global sequence length (positions
 are GLOBAL, 0..S-1); G ``block_size``, the tile of the block mask; nB = ceil(S/G); Sq, Sk query / key rows

@@ -9,17 +9,27 @@ flag), ``band`` (a sliding-window band through the kernel's window mode, no mask
 packed documents through the kernel's varlen entry point) or ``batched`` (equal-length documents as batch
 rows of one block call). ``Rows`` holds what the call accumulates for this rank's query rows.
 ``SparsePairWork`` is the sparse ring's step: one sparse block kernel call on the whole pair.
+
+With ALiBi (``plan.alibi``) every call is a ``block`` call given the ``Alibi`` of its rows: the slopes and
+the GLOBAL positions of its query rows and keys (packed runs are run one document at a time).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ds_seqpar.ops.attention import AttentionKernel, block_attn_backward, block_attn_forward, kernel_for
+from ds_seqpar.ops.attention import (
+    Alibi,
+    AttentionKernel,
+    block_attn_backward,
+    block_attn_forward,
+    kernel_for,
+)
 from ds_seqpar.ops.masks import BlockKind
 from ds_seqpar.ops.merge import merge_attn_
 from ds_seqpar.ops.sparse.kernels import resolve_sparse_kernel, visible_pairs
@@ -125,6 +135,10 @@ class Step:
     rows: Rows
     scale: float
     softcap: float | None
+    alibi: Alibi | None = None  # the slopes and positions of (this rank's rows, the current K/V block)
+
+    def bias(self, task: BlockTask) -> Alibi | None:
+        return None if self.alibi is None else self.alibi.rows(task.q_rows, task.k_rows)
 
 
 def _packed(x: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -142,6 +156,7 @@ def _block_forward(step: Step, task: BlockTask, k: torch.Tensor, v: torch.Tensor
     return block_attn_forward(
         q[:, task.q_rows], k[:, task.k_rows], v[:, task.k_rows], scale=step.scale, mask=task.mask,
         causal=task.kind is BlockKind.CAUSAL, kernel=step.kernel, out_dtype=out_dtype, softcap=step.softcap,
+        alibi=step.bias(task),
     )  # fmt: skip
 
 
@@ -151,7 +166,7 @@ def _block_backward(step: Step, task: BlockTask, k: torch.Tensor, v: torch.Tenso
         rows.dout[:, task.q_rows], q[:, task.q_rows], k[:, task.k_rows], v[:, task.k_rows],
         rows.final_out(task.q_rows), rows.lse[:, :, task.q_rows], scale=step.scale, mask=task.mask,
         causal=task.kind is BlockKind.CAUSAL, kernel=step.kernel, grad_dtype=grad_dtype, softcap=step.softcap,
-        inert=True,
+        inert=True, alibi=step.bias(task),
     )  # fmt: skip
 
 
@@ -250,11 +265,11 @@ class PairWork:
         self.plan, self.seq_len, self.scale, self.rows = plan, seq_len, scale, rows
         self.q_pos, self.q_doc = query_meta(plan, seq_len, rows.q.device)
         self.merged = merged  # sinks are folded in after the loop: never adopt a q.dtype output
-        q = rows.q
-        kernel = kernel_for(plan.kernel, q.device, q.dtype, plan.softcap)
+        q, alibi = rows.q, plan.alibi is not None
+        kernel = kernel_for(plan.kernel, q.device, q.dtype, plan.softcap, alibi)
         self.step = Step(kernel, rows, scale, plan.softcap)
-        self.varlen = kernel.varlen is not None and kernel.varlen.takes(q)
-        self.banded = kernel.band is not None and kernel.band.takes(q)
+        self.varlen = not alibi and kernel.varlen is not None and kernel.varlen.takes(q)
+        self.banded = not alibi and kernel.band is not None and kernel.band.takes(q)
 
     def _call(self, task: Task) -> Call:
         if isinstance(task, VarlenTask):
@@ -263,14 +278,27 @@ class PairWork:
 
     def _calls(self, owner: int, backward: bool) -> list[Task]:
         find = backward_calls if backward else pair_calls
-        return find(self.plan, self.seq_len, owner, self.q_pos, self.q_doc, self.rows.q.shape[0], self.varlen)
+        calls = find(
+            self.plan, self.seq_len, owner, self.q_pos, self.q_doc, self.rows.q.shape[0], self.varlen
+        )
+        if self.plan.alibi is None:
+            return calls
+        return [t for call in calls for t in (call.tasks if isinstance(call, VarlenTask) else (call,))]
+
+    def _step(self, owner: int) -> Step:
+        """The step's calls' common inputs; with ALiBi, the positions of ``owner``'s keys."""
+        if self.plan.alibi is None:
+            return self.step
+        k_pos, _ = tokens(self.plan, self.seq_len, owner, self.rows.q.device)
+        return dataclasses.replace(self.step, alibi=Alibi(self.plan.alibi, self.q_pos, k_pos))
 
     def forward(self, k_blk: torch.Tensor, v_blk: torch.Tensor, owner: int) -> None:
         plan, q = self.plan, self.rows.q
         tasks = self._calls(owner, backward=False)
         out_dtype = q.dtype if _only_call(plan, tasks, q.shape[1]) and not self.merged else None
+        step = self._step(owner)
         for task in tasks:  # nothing to merge: the one block call skips the fp32 round trip
-            out_blk, lse_blk = self._call(task).forward(self.step, task, k_blk, v_blk, out_dtype)
+            out_blk, lse_blk = self._call(task).forward(step, task, k_blk, v_blk, out_dtype)
             self.rows.merge(task.q_rows, out_blk, lse_blk)
             del out_blk, lse_blk  # not alive during the next kernel call
         if plan.work is not None:
@@ -295,8 +323,9 @@ class PairWork:
         tasks = self._calls(owner, backward=True)
         grad_dtype = q.dtype if _only_call(plan, tasks, q.shape[1]) else None
         dk, dv = (into() if into is not None else None) or (None, None)
+        step = self._step(owner)
         for task in tasks:
-            dq_p, dk_p, dv_p = self._call(task).backward(self.step, task, k_blk, v_blk, grad_dtype)
+            dq_p, dk_p, dv_p = self._call(task).backward(step, task, k_blk, v_blk, grad_dtype)
             rows.dq = _accumulate(rows.dq, dq_p, task.q_rows, q, rows.acc)
             dk = _accumulate(dk, dk_p, task.k_rows, k_blk, rows.acc)
             dv = _accumulate(dv, dv_p, task.k_rows, v_blk, rows.acc)

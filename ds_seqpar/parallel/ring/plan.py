@@ -80,6 +80,8 @@ class RingPlan:
             rank ``schedule.query_rank``, and the K/V block a schedule yields with owner ``o`` holds
             ``layout``'s rank ``o``.
         backward_tile: backward tiles have at least this many rows per side (``backward_tiles``).
+        alibi: None, or ALiBi slopes ``[h]`` of the query heads this call holds: score (i, j) of head h gains
+            ``alibi[h] · (pos_j - pos_i)`` from GLOBAL positions (docs/kernels.md "ALiBi"). Not with ``sparse``.
     """
 
     schedule: Schedule
@@ -93,8 +95,13 @@ class RingPlan:
     sparse_kernel: str = "auto"
     query_layout: Any = None
     backward_tile: int = BACKWARD_TILE_ROWS
+    alibi: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        if self.sparse is not None and self.alibi is not None:
+            raise ValueError(
+                "a sparse (vertical-slash) ring plan cannot apply ALiBi: its kernels take no bias"
+            )
         if self.sparse is not None and not self.spec.causal:
             raise ValueError("a sparse (vertical-slash) ring plan needs MaskSpec(causal=True)")
         if self.query_layout is not None:
