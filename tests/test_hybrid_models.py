@@ -91,9 +91,8 @@ def test_mamba_mixers_equal_plain_model(dist_pool, kind, u, layout, seq_len, ove
 
 
 ZERO3 = [(kind, 2) for kind in HYBRID_MODELS]  # U 2 x R 2
-ZERO3 += [
-    (kind, 1) for kind in ("olmo_hybrid", "lfm2", "mamba", "recurrent_gemma", "rwkv", "xlstm")
-]  # and R 4
+R4_ZERO3 = ("olmo_hybrid", "lfm2", "mamba", "recurrent_gemma", "rwkv", "xlstm", "zaya")
+ZERO3 += [(kind, 1) for kind in R4_ZERO3]  # and R 4
 
 
 @pytest.mark.parametrize(

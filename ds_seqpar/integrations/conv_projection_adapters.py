@@ -27,16 +27,27 @@ from ds_seqpar.parallel.delta_scan import conv_halo_plan
 from ds_seqpar.parallel.linear_scan import SAME_SCAN_SHARDS
 
 
-def runs_with_halo(x: torch.Tensor, width: int, mesh: SeqParMesh) -> list[torch.Tensor]:
-    """Each run of this rank's rows ``x [B, n, C]`` with the ``width`` rows before it prepended (zeros before
-    position 0): ``[B, width + run, C]`` per run, in local order (the runs cover the n rows)."""
+def runs_with_halo(
+    x: torch.Tensor, width: int, mesh: SeqParMesh
+) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """This rank's rows ``x [B, n, C]`` laid out as ``[halo_0 | run_0 | halo_1 | run_1 | ...]`` (``width`` rows
+    before each run; zeros before position 0), and where each run sits in that layout ``(start, length)``.
+    One tensor, so a module applied to it runs ONCE per call on every rank, whatever its number of runs
+    (ZeRO-3 gathers a module's weights per call: a count that differs between ranks would hang)."""
     plan = conv_halo_plan(mesh, x.shape[1], width)
     check_same_inputs(mesh, "runs_with_halo", ("x",), (x,), (width,), SAME_SCAN_SHARDS, ("halo",))
     halo = halo_exchange(x, plan, mesh.group("sp"), mesh.members["sp"], mesh.coords.sp_rank, mesh.comm_stats)
-    return [
-        torch.cat([halo[:, j * width : (j + 1) * width], x[:, a:e]], dim=1)
-        for j, (a, e) in enumerate(plan.runs)
-    ]
+    parts, spans, at = [], [], 0
+    for j, (a, e) in enumerate(plan.runs):
+        parts += [halo[:, j * width : (j + 1) * width], x[:, a:e]]
+        spans.append((at + width, e - a))
+        at += width + e - a
+    return torch.cat(parts, dim=1), spans
+
+
+def _rows(y: torch.Tensor, spans: list[tuple[int, int]], shift: int) -> torch.Tensor:
+    """The runs' rows of ``y [B, L, C]`` computed on the halo layout, each taken ``shift`` rows earlier."""
+    return torch.cat([y[:, a - shift : a - shift + n] for a, n in spans], dim=1)
 
 
 def zaya_cca_forward(
@@ -58,16 +69,15 @@ def zaya_cca_forward(
     key_residual = keys.view(shape).repeat_interleave(self.num_key_value_groups, dim=2)
     query_residual = (query_residual + key_residual) * 0.5
     key_residual = query_residual.view(*shape[:-2], -1, self.num_key_value_groups, self.head_dim).mean(dim=-2)
-    runs = runs_with_halo(torch.cat([queries, keys], dim=-1), self.conv_kernel_size, mesh)
-    mixed = torch.cat(
-        [self.conv_qk_grouped(self.conv_qk_depthwise(run.transpose(1, 2))).transpose(1, 2) for run in runs],
-        dim=1,
+    width = self.conv_kernel_size  # two valid convolutions: output o sees inputs o .. o + width
+    laid, spans = runs_with_halo(torch.cat([queries, keys], dim=-1), width, mesh)
+    mixed = _rows(
+        self.conv_qk_grouped(self.conv_qk_depthwise(laid.transpose(1, 2))).transpose(1, 2), spans, width
     )
-    width = query_residual.shape[-2] * query_residual.shape[-1]
-    query = mixed[..., :width].view(shape) + query_residual
-    key = mixed[..., width:].view(shape) + key_residual
-    delayed = torch.cat(
-        [self.v_proj_delayed(run)[:, :-1] for run in runs_with_halo(hidden_states, 1, mesh)], dim=1
-    )
+    split = query_residual.shape[-2] * query_residual.shape[-1]
+    query = mixed[..., :split].view(shape) + query_residual
+    key = mixed[..., split:].view(shape) + key_residual
+    laid, spans = runs_with_halo(hidden_states, 1, mesh)
+    delayed = _rows(self.v_proj_delayed(laid), spans, 1)  # each token takes its predecessor's projection
     value = torch.cat([self.v_proj_current(hidden_states), delayed], dim=-1).view(shape)
     return query, key, value
