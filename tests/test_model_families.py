@@ -51,7 +51,8 @@ EXPECTED = {
     "recurrent_gemma": "refused",  # a recurrent layer kind no adapter covers (RG-LRU)
     "roberta": "exact",  # as a decoder: positions from the token ids (padding offset), a position rule
     "blt": "refused",  # hashed byte n-grams of the preceding tokens (probe: the first diverging module)
-    "openai-gpt": "refused",  # attention computed inline, not through transformers' attention interface
+    "openai-gpt": "exact",  # attention computed inline, routed through the interface (inline_adapters.py)
+    "reformer": "refused",  # LSH / chunk-grid local attention computed inline: refused by class
     "whisper": "refused",  # its loss does not shift the labels
     "llama4": "exact",  # chunked attention (documents cut at chunk borders), NoPE layers' query temperature
     "phimoe": "exact",  # sliding window only in the mask: read from the config (WINDOW_FROM_CONFIG)
