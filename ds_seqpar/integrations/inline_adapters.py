@@ -160,7 +160,8 @@ def _roformer_global_sinusoid(
     ``arange(n)`` of the tensor it holds (it ignores position_ids), i.e. local indices on a shard."""
     n, dim = sinusoidal_pos.shape[-2:]
     index = global_token_index(kwargs, n, sinusoidal_pos.device)
-    table = _roformer_table(type(self).__module__, max(int(index.max()) + 1, n), dim)
+    size = 1 << max(int(index.max()) + 1, n).bit_length()  # >= every index, a power of two: few tables
+    table = _roformer_table(type(self).__module__, size, dim)
     table = table.to(device=sinusoidal_pos.device, dtype=sinusoidal_pos.dtype)
     if not torch.equal(table[:n], sinusoidal_pos.reshape(n, dim)):
         raise UnsupportedModelError(
