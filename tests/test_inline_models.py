@@ -30,6 +30,9 @@ CASES = [
     pytest.param("megatron-bert", 2, "zigzag", DECODER, marks=pytest.mark.slow),
     pytest.param("rembert", 1, "zigzag", DECODER, marks=pytest.mark.slow),
     pytest.param("openai-gpt", 2, "zigzag", None, marks=pytest.mark.slow),
+    pytest.param(
+        "big_bird", 2, "zigzag", {**DECODER, "attention_type": "original_full"}, marks=pytest.mark.slow
+    ),
 ]
 
 

@@ -10,7 +10,8 @@ family adds to the scores, e.g. ALiBi slopes) to the attention interface instead
     BloomAttention              alibi_slopes (BLOOM's), scaling 1/sqrt(D)    alibi_adapters.py
     MptAttention                alibi_slopes (read off MPT's position_bias)  alibi_adapters.py
     Llama4TextAttention         NoPE query temperature at global indices     llama4_adapters.py
-    GPT-Neo, GPT, XGLM, GPT-NeoX-Japanese, Megatron-BERT, RemBERT, RoFormer
+    GPT-Neo, GPT, XGLM, GPT-NeoX-Japanese, Megatron-BERT, RemBERT, RoFormer,
+    BigBird (original_full)
                                 their own scale / window / rotary            inline_adapters.py
 
 These families cannot switch ``config._attn_implementation`` (transformers keeps "eager" and warns), so a
@@ -56,6 +57,10 @@ BUILTIN_ADAPTERS: dict[tuple[str, str], Callable] = {
         "RemBertSelfAttention",
     ): inline.bert_self_attention_forward,
     ("transformers.models.roformer.modeling_roformer", "RoFormerSelfAttention"): inline.roformer_forward,
+    (
+        "transformers.models.big_bird.modeling_big_bird",
+        "BigBirdSelfAttention",
+    ): inline.bert_self_attention_forward,  # attention_type="original_full"
 }
 REGISTRY: dict[type, Callable] = {}
 IMPL_ATTR = "_ds_seqpar_attention"  # on each routed layer: the name of the attention implementation it calls

@@ -12,6 +12,7 @@ docs/integration.md "Routed attention layers"):
     XGLM                q pre-scaled 1/sqrt(D)  sinusoidal + 2, position_ids   causal
     GPT-NeoX-Japanese   1/sqrt(D)               rotary from position_ids       causal
     Megatron-BERT/RemBERT 1/sqrt(D)             learned, from position_ids     causal iff is_decoder
+    BigBird (original_full) likewise (its block-sparse attention is refused, see REFUSED_LAYERS)
     RoFormer            1/sqrt(D)               rotary at GLOBAL token index   causal iff is_decoder
 
 GPT-Neo's local mask lets query i see key j iff 0 <= i - j < window_size, which is the ``sliding_window``
@@ -134,7 +135,7 @@ def bert_self_attention_forward(
     self: torch.nn.Module, attend: Any, hidden_states: torch.Tensor, attention_mask: Any = None,
     encoder_hidden_states: Any = None, cache: Any = None, output_attentions: bool = False, **kwargs: Any,
 ):  # fmt: skip
-    """``MegatronBertSelfAttention`` / ``RemBertSelfAttention.forward``: hidden ``[B, n, E]`` ->
+    """``MegatronBertSelfAttention`` / ``RemBertSelfAttention`` / ``BigBirdSelfAttention.forward``: hidden ``[B, n, E]`` ->
     ``(context [B, n, E], None)``; causal iff ``config.is_decoder``."""
     q, k, v = _bert_qkv(self, hidden_states, encoder_hidden_states, cache)
     if cache is not None:

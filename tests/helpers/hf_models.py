@@ -41,9 +41,18 @@ ALIBI_MODELS = ("bloom", "mpt")
 DSA_MODELS = ("deepseek_v32",)
 # attention computed inline, routed by integrations/inline_adapters.py (the BERT-style ones need is_decoder=True
 # as causal LMs: pass it as an override), built likewise
-INLINE_MODELS = ("gpt_neo", "openai-gpt", "xglm", "gpt_neox_japanese", "megatron-bert", "rembert", "roformer")
+INLINE_MODELS = (
+    "gpt_neo",
+    "openai-gpt",
+    "xglm",
+    "gpt_neox_japanese",
+    "megatron-bert",
+    "rembert",
+    "roformer",
+    "big_bird",
+)
 # a separate key projection bias: its gradient is exactly zero (rounding noise on both sides), see hf_ab.grad_floor
-KEY_BIAS_MODELS = ("xglm", "megatron-bert", "rembert", "roformer")
+KEY_BIAS_MODELS = ("xglm", "megatron-bert", "rembert", "roformer", "big_bird")
 MASK_ID = 4  # the tiny encoders' mask token
 # BERT-style decoders (is_decoder=True) whose positions come from a position rule (ds_seqpar/integrations/
 # positions.py: RoBERTa's padding offset; pad token 1), built by benchmarks/tiny_configs.py
