@@ -167,14 +167,16 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
         }
     },
 }
-# RoBERTa-style encoders whose *ForCausalLM class is a causal LM only with is_decoder=True (transformers
-# warns "add is_decoder=True"); without it their attention is bidirectional, an encoder, which
+# BERT- and RoBERTa-style encoders whose *ForCausalLM class is a causal LM only with is_decoder=True
+# (transformers warns "add is_decoder=True"); without it their attention is bidirectional, an encoder, which
 # SeqParCausalLM refuses by name.
 _OVERRIDES.update(
     {
         t: {"is_decoder": True}
         for t in (
             "roberta", "roberta-prelayernorm", "camembert", "xlm-roberta", "xlm-roberta-xl", "data2vec-text", "xmod",
+            "bert", "bert-generation", "electra", "ernie", "roc_bert", "megatron-bert", "rembert", "roformer",
+            "big_bird",
         )
     }
 )  # fmt: skip

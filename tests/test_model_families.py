@@ -51,9 +51,11 @@ EXPECTED = {
     "recurrent_gemma": "exact",  # RG-LRU (diagonal scan, reset at position 0) + conv1d halo, sliding attention
     "rwkv": "exact",  # RWKV-4: token shifts + WKV (numerator and denominator as one diagonal scan)
     "xlstm": "exact",  # mLSTM blocks: the max-stabiliser chained exactly, C / n scanned
+    "bert": "exact",  # BertLMHeadModel built as a decoder (is_decoder=True), as its causal-LM use needs
     "roberta": "exact",  # as a decoder: positions from the token ids (padding offset), a position rule
     "blt": "refused",  # hashed byte n-grams of the preceding tokens (probe: the first diverging module)
-    "openai-gpt": "refused",  # attention computed inline, not through transformers' attention interface
+    "openai-gpt": "exact",  # attention computed inline, routed through the interface (inline_adapters.py)
+    "reformer": "refused",  # LSH / chunk-grid local attention computed inline: refused by class
     "whisper": "refused",  # its loss does not shift the labels
     "llama4": "exact",  # chunked attention (documents cut at chunk borders), NoPE layers' query temperature
     "phimoe": "exact",  # sliding window only in the mask: read from the config (WINDOW_FROM_CONFIG)
@@ -88,4 +90,31 @@ def test_every_causal_lm_type_has_no_silent_mismatch(dist_pool):
     rows = dist_pool(4).run(sweep_many, CAUSAL_LM_TYPES, timeout=3600)[0]
     mismatches = [r for r in rows if r["status"] == "mismatch"]
     assert not mismatches, mismatches
-    assert sum(r["status"] == "exact" for r in rows) >= 110, [(r["type"], r["status"]) for r in rows]
+    assert sum(r["status"] == "exact" for r in rows) >= 150, [(r["type"], r["status"]) for r in rows]
+
+
+def bert_as_encoder() -> str:
+    """BertLMHeadModel built WITHOUT is_decoder (the sweep builds it as a decoder): a bidirectional encoder,
+    which SeqParCausalLM must refuse by name after its first forward, identically on every rank."""
+    import torch
+
+    from benchmarks.model_sweep import _mesh
+    from benchmarks.tiny_configs import build_tiny_model
+    from ds_seqpar import SeqParCausalLM, UnsupportedModelError, shard_batch
+
+    decoder = build_tiny_model("bert")
+    decoder.config.is_decoder = False
+    torch.manual_seed(0)
+    encoder = type(decoder)(decoder.config).float()
+    mesh = _mesh()
+    ids = torch.randint(0, 90, (2, 64), generator=torch.Generator().manual_seed(1))
+    try:
+        SeqParCausalLM(encoder, mesh)(**shard_batch({"input_ids": ids}, mesh))
+    except UnsupportedModelError as exc:
+        return str(exc)
+    return "not refused"
+
+
+def test_an_encoder_built_as_a_causal_lm_is_refused_by_name(dist_pool):
+    for message in dist_pool(4).run(bert_as_encoder):
+        assert "bidirectional (is_causal=False): it is an encoder" in message, message

@@ -10,6 +10,9 @@ family adds to the scores, e.g. ALiBi slopes) to the attention interface instead
     BloomAttention              alibi_slopes (BLOOM's), scaling 1/sqrt(D)    alibi_adapters.py
     MptAttention                alibi_slopes (read off MPT's position_bias)  alibi_adapters.py
     Llama4TextAttention         NoPE query temperature at global indices     llama4_adapters.py
+    GPT-Neo, GPT, XGLM, GPT-NeoX-Japanese, Megatron-BERT, RemBERT, RoFormer,
+    BigBird (original_full)
+                                their own scale / window / rotary            inline_adapters.py
 
 These families cannot switch ``config._attn_implementation`` (transformers keeps "eager" and warns), so a
 routed layer holds the implementation it calls itself: the token-locality probe's while
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 
 from ds_seqpar.integrations import alibi_adapters as adapters
+from ds_seqpar.integrations import inline_adapters as inline
 from ds_seqpar.integrations.hf_attention import ATTN_IMPLEMENTATION
 from ds_seqpar.integrations.hf_model import UnsupportedModelError, text_configs
 from ds_seqpar.integrations.llama4_adapters import llama4_attention_forward
@@ -37,6 +41,26 @@ BUILTIN_ADAPTERS: dict[tuple[str, str], Callable] = {
     ("transformers.models.bloom.modeling_bloom", "BloomAttention"): adapters.bloom_forward,
     ("transformers.models.mpt.modeling_mpt", "MptAttention"): adapters.mpt_forward,
     ("transformers.models.llama4.modeling_llama4", "Llama4TextAttention"): llama4_attention_forward,
+    ("transformers.models.gpt_neo.modeling_gpt_neo", "GPTNeoSelfAttention"): inline.gpt_neo_forward,
+    ("transformers.models.openai.modeling_openai", "Attention"): inline.openai_gpt_forward,
+    ("transformers.models.xglm.modeling_xglm", "XGLMAttention"): inline.xglm_forward,
+    (
+        "transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese",
+        "GPTNeoXJapaneseAttention",
+    ): inline.gpt_neox_japanese_forward,
+    (
+        "transformers.models.megatron_bert.modeling_megatron_bert",
+        "MegatronBertSelfAttention",
+    ): inline.bert_self_attention_forward,
+    (
+        "transformers.models.rembert.modeling_rembert",
+        "RemBertSelfAttention",
+    ): inline.bert_self_attention_forward,
+    ("transformers.models.roformer.modeling_roformer", "RoFormerSelfAttention"): inline.roformer_forward,
+    (
+        "transformers.models.big_bird.modeling_big_bird",
+        "BigBirdSelfAttention",
+    ): inline.bert_self_attention_forward,  # attention_type="original_full"
 }
 REGISTRY: dict[type, Callable] = {}
 IMPL_ATTR = "_ds_seqpar_attention"  # on each routed layer: the name of the attention implementation it calls

@@ -31,6 +31,7 @@ from ds_seqpar.integrations.hf_model import (
     refuse_unhonoured_features,
     unwrap_hf_model,
 )
+from ds_seqpar.integrations.inline_adapters import refuse_unroutable_layers
 from ds_seqpar.integrations.positions import PositionFn, PositionRule, model_position_ids, position_rule_of
 from ds_seqpar.integrations.recurrent_layers import has_recurrent_layers, refuse_recurrent_layers
 from ds_seqpar.integrations.routing import enable_sequence_parallel
@@ -114,6 +115,7 @@ class SeqParCausalLM(torch.nn.Module):
         refuse_unhonoured_features(hf)
         refuse_recurrent_layers(hf)
         refuse_unrouted_alibi(hf)
+        refuse_unroutable_layers(hf)
         if getattr(hf, "_ds_seqpar_original_attn", None) is None and not has_recurrent_layers(hf):
             # one process, before the attention is switched; on the routed attention layers (ALiBi families)
             route_attention_layers(hf, PROBE_ATTENTION)

@@ -16,6 +16,7 @@ from tests.helpers.hf_models import (
     ENCODER_INPUTS,
     FEATURE_MODELS,
     HYBRID_MODELS,
+    KEY_BIAS_MODELS,
     batches,
     reference_loss,
     tiny_model,
@@ -34,7 +35,9 @@ def grad_floor(objective: str, kind: str, ref: torch.nn.Module) -> float:
     with recurrent layers: 1 % of the whole gradient's norm (benchmarks/model_sweep.py's rule): the decay parameters' gradients (A_log,
     dt_bias) are sums over every token with heavy cancellation, and two float32 chunk algorithms (HF's
     and ds_seqpar's) already differ by ~1e-5 of them in ONE process."""
-    if objective == "masked" or kind in BERT_DECODERS:  # BERT's key bias, as a decoder too
+    if (
+        objective == "masked" or kind in BERT_DECODERS or kind in KEY_BIAS_MODELS
+    ):  # a key bias, as a decoder too
         return 1e-4
     if kind in HYBRID_MODELS:
         grads = [p.grad.double() for p in ref.parameters() if p.grad is not None]

@@ -40,6 +40,20 @@ HYBRID_MODELS = ("qwen3_next", "qwen3_5", "kimi_linear", "nemotron_h", "bamba", 
 ALIBI_MODELS = ("bloom", "mpt")
 # DeepSeek sparse attention (MLA + a top-k indexer, routed by integrations/dsa_adapters.py), built likewise
 DSA_MODELS = ("deepseek_v32",)
+# attention computed inline, routed by integrations/inline_adapters.py (the BERT-style ones need is_decoder=True
+# as causal LMs: pass it as an override), built likewise
+INLINE_MODELS = (
+    "gpt_neo",
+    "openai-gpt",
+    "xglm",
+    "gpt_neox_japanese",
+    "megatron-bert",
+    "rembert",
+    "roformer",
+    "big_bird",
+)
+# a separate key projection bias: its gradient is exactly zero (rounding noise on both sides), see hf_ab.grad_floor
+KEY_BIAS_MODELS = ("xglm", "megatron-bert", "rembert", "roformer", "big_bird")
 MASK_ID = 4  # the tiny encoders' mask token
 # BERT-style decoders (is_decoder=True) whose positions come from a position rule (ds_seqpar/integrations/
 # positions.py: RoBERTa's padding offset; pad token 1), built by benchmarks/tiny_configs.py
@@ -139,7 +153,7 @@ def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
         model = transformers_class(kind)(cfg).float().train()
         model.set_attn_implementation("sdpa")
         return model
-    if kind in HYBRID_MODELS or kind in BERT_DECODERS or kind in ALIBI_MODELS or kind in DSA_MODELS:
+    if kind in (*HYBRID_MODELS, *BERT_DECODERS, *ALIBI_MODELS, *DSA_MODELS, *INLINE_MODELS):
         from benchmarks.tiny_configs import build_tiny_model
 
         model = build_tiny_model(kind, seed=seed)
