@@ -144,17 +144,35 @@ CAUSES = (
     ("bidirectional (is_causal=False)", "an encoder, not a causal LM: train it with `SeqParMaskedLM`"),
     (
         "is not the next-token cross-entropy",
-        "its own loss does not shift the labels (a decoder of an encoder-decoder, XLNet's permutation LM): "
-        "`SeqParSeq2SeqLM` for encoder-decoders",
+        "its own loss does not shift the labels (a decoder of an encoder-decoder): `SeqParSeq2SeqLM` for "
+        "encoder-decoders",
     ),
-    ("index_topk", "DeepSeek sparse attention (a learned indexer selects keys per query)"),
+    (
+        "called transformers' attention interface",
+        "attention computed inline, with no routed adapter (decoders of encoder-decoders, XLM, XLNet, CPM-Ant)",
+    ),
+    (
+        "not one of the routed DSA layers",
+        "a learned key selection of another kind than DeepSeek's (Kolibri 1.1)",
+    ),
+    (
+        "compressed attention layers",
+        "keys compressed by a learned compressor, not one per token (DeepSeek-V4)",
+    ),
+    ("indexed_attention", "a learned selection of compressed key blocks per query (Qwen4-Exp's QSA)"),
+    ("index_topk", "DeepSeek sparse attention in a layer without an adapter"),
+    ("block-sparse", "random and banded key blocks chosen over the whole row (BigBird block-sparse)"),
+    ("LocalSelfAttention", "LSH buckets and a fixed chunk grid over the whole row (Reformer)"),
     ("dynamic mask attention", "a learned per-key bias with a top-k key selection over the whole row (Doge)"),
     ("recurrent layer", "a recurrent layer without an adapter"),
     (
         "treats a token differently",
         "a token treated differently in a shard, outside the attention (the probe)",
     ),
-    ("passed position_bias", "a bias tensor over the whole [S, S] passed to the attention"),
+    (
+        "passed position_bias",
+        "a learned relative bias over the whole [S, S] passed to the attention (Inkling2)",
+    ),
     ("passed attention_mask", "an explicit [S, S] mask passed to the attention"),
     ("Conv1d", "a convolution over the sequence outside a routed layer"),
 )
