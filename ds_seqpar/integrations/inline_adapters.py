@@ -131,13 +131,9 @@ def _bert_qkv(self: torch.nn.Module, hidden_states: torch.Tensor, encoder_hidden
     return tuple(_heads(p(hidden_states), d) for p in (self.query, self.key, self.value))
 
 
-def bert_self_attention_forward(
-    self: torch.nn.Module, attend: Any, hidden_states: torch.Tensor, attention_mask: Any = None,
-    encoder_hidden_states: Any = None, cache: Any = None, output_attentions: bool = False, **kwargs: Any,
-):  # fmt: skip
-    """``MegatronBertSelfAttention`` / ``RemBertSelfAttention`` / ``BigBirdSelfAttention.forward``: hidden ``[B, n, E]`` ->
-    ``(context [B, n, E], None)``; causal iff ``config.is_decoder``."""
-    q, k, v = _bert_qkv(self, hidden_states, encoder_hidden_states, cache)
+def _bert_attend(self: torch.nn.Module, attend: Any, q, k, v, cache: Any) -> tuple[torch.Tensor, None]:
+    """The BERT-style layers' attention call on ``[B, H, n, D]`` q, k, v: ``1/sqrt(D)`` scaling, causal iff
+    ``config.is_decoder``; ``(context [B, n, E], None)``."""
     if cache is not None:
         k, v = cache.update(k, v, self.layer_idx)
     out, _ = attend(
@@ -145,6 +141,16 @@ def bert_self_attention_forward(
         is_causal=bool(self.is_decoder),
     )  # fmt: skip
     return _merge(out), None
+
+
+def bert_self_attention_forward(
+    self: torch.nn.Module, attend: Any, hidden_states: torch.Tensor, attention_mask: Any = None,
+    encoder_hidden_states: Any = None, cache: Any = None, output_attentions: bool = False, **kwargs: Any,
+):  # fmt: skip
+    """``MegatronBertSelfAttention`` / ``RemBertSelfAttention`` / ``BigBirdSelfAttention.forward``: hidden ``[B, n, E]`` ->
+    ``(context [B, n, E], None)``; causal iff ``config.is_decoder``."""
+    q, k, v = _bert_qkv(self, hidden_states, encoder_hidden_states, cache)
+    return _bert_attend(self, attend, q, k, v, cache)
 
 
 @functools.lru_cache(maxsize=8)
@@ -186,13 +192,7 @@ def roformer_forward(
             q, k, v = self.apply_rotary_position_embeddings(pos, q, k, v)
         else:
             q, k = self.apply_rotary_position_embeddings(pos, q, k)
-    if cache is not None:
-        k, v = cache.update(k, v, self.layer_idx)
-    out, _ = attend(
-        self, q, k, v, None, dropout=_dropout(self, self.dropout.p), scaling=self.attention_head_size**-0.5,
-        is_causal=bool(self.is_decoder),
-    )  # fmt: skip
-    return _merge(out), None
+    return _bert_attend(self, attend, q, k, v, cache)
 
 
 # Inline attention layers that no adapter can express exactly: refused by class, naming the structural cause.
