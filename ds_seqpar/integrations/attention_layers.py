@@ -24,7 +24,6 @@ forward.
 from __future__ import annotations
 
 import functools
-import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +32,7 @@ import torch
 
 from ds_seqpar.integrations import alibi_adapters as adapters
 from ds_seqpar.integrations import inline_adapters as inline
+from ds_seqpar.integrations.class_registry import registered_forward
 from ds_seqpar.integrations.hf_attention import ATTN_IMPLEMENTATION
 from ds_seqpar.integrations.hf_model import UnsupportedModelError, text_configs
 from ds_seqpar.integrations.llama4_adapters import llama4_attention_forward
@@ -75,11 +75,7 @@ def register_attention_layer(cls: type, forward: Callable) -> None:
 
 
 def _adapter_for(module: torch.nn.Module) -> Callable | None:
-    for (module_name, class_name), forward in BUILTIN_ADAPTERS.items():
-        cls = getattr(sys.modules.get(module_name), class_name, None)
-        if cls is not None and cls not in REGISTRY:
-            REGISTRY[cls] = forward
-    return next((REGISTRY[c] for c in type(module).__mro__ if c in REGISTRY), None)
+    return registered_forward(module, BUILTIN_ADAPTERS, REGISTRY)
 
 
 def refuse_unrouted_alibi(model: torch.nn.Module) -> None:

@@ -38,7 +38,6 @@ recurrent layer kind (``UNSUPPORTED_RECURRENT`` name endings) is refused by name
 
 from __future__ import annotations
 
-import sys
 import types
 from collections.abc import Callable
 
@@ -47,6 +46,7 @@ import torch
 from ds_seqpar.integrations import conv_adapters, delta_adapters, rnn_adapters
 from ds_seqpar.integrations import mamba_adapters as mamba
 from ds_seqpar.integrations import recurrent_adapters as adapters
+from ds_seqpar.integrations.class_registry import registered_forward
 from ds_seqpar.integrations.conv_projection_adapters import zaya_cca_forward
 from ds_seqpar.integrations.dsa_adapters import DSA_ADAPTERS, refuse_unrouted_indexers
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
@@ -124,21 +124,9 @@ def register_recurrent_layer(cls: type, forward: Callable) -> None:
     REGISTRY[cls] = forward
 
 
-def _resolve_builtins() -> None:
-    for (module_name, class_name), forward in BUILTIN_ADAPTERS.items():
-        module = sys.modules.get(module_name)
-        cls = getattr(module, class_name, None) if module is not None else None
-        if cls is not None and cls not in REGISTRY:
-            REGISTRY[cls] = forward
-
-
 def adapter_for(module: torch.nn.Module) -> Callable | None:
     """The registered forward for ``module``'s class (or a base class), else None."""
-    _resolve_builtins()
-    for cls in type(module).__mro__:
-        if cls in REGISTRY:
-            return REGISTRY[cls]
-    return None
+    return registered_forward(module, BUILTIN_ADAPTERS, REGISTRY)
 
 
 def supported_layers() -> str:
