@@ -27,6 +27,8 @@ Public API (more arrives with the attention, data and engine modules):
   :func:`seqpar_dataloader`, :func:`sp_causal_lm_loss` are its parts.
 * :class:`SeqParTrainer` (HF Trainer), :func:`with_sequence_parallel` (any Trainer subclass, e.g.
   TRL's ``SFTTrainer``), :func:`accelerate_prepare` (a loop under ``accelerate launch``).
+* :func:`token_logprobs` (:class:`TokenLogprobs`): per-token log-probs and entropies of a sharded batch, this
+  rank's or the whole sequence's (post-training losses, docs/post_training.md).
 * :func:`memory_estimate` / :func:`largest_seq_len`: the memory model (predicted peak bytes per rank by
   category, docs/memory.md).
 """
@@ -41,6 +43,7 @@ from ds_seqpar.integrations.attention_layers import register_attention_layer
 from ds_seqpar.integrations.causal_lm import SeqParCausalLM, SeqParMaskedLM
 from ds_seqpar.integrations.deepspeed import initialize, install_deepspeed_guard, sequence_parallel_scope
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
+from ds_seqpar.integrations.logprobs import TokenLogprobs, token_logprobs
 from ds_seqpar.integrations.recurrent_layers import register_recurrent_layer
 from ds_seqpar.integrations.routing import disable_sequence_parallel, enable_sequence_parallel
 from ds_seqpar.integrations.seq2seq import SeqParSeq2SeqLM, shard_encoder_states
@@ -83,6 +86,7 @@ __all__ = [
     "SparseLayerStats",
     "StepFailed",
     "StepWatch",
+    "TokenLogprobs",
     "UnsupportedModelError",
     "__version__",
     "accelerate_prepare",
@@ -112,6 +116,7 @@ __all__ = [
     "sharded_causal_conv1d",
     "sp_causal_lm_loss",
     "sparse_stats",
+    "token_logprobs",
     "with_sequence_parallel",
 ]
 

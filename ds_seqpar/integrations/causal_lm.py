@@ -32,6 +32,7 @@ from ds_seqpar.integrations.hf_model import (
     unwrap_hf_model,
 )
 from ds_seqpar.integrations.inline_adapters import refuse_unroutable_layers
+from ds_seqpar.integrations.logprobs import TokenLogprobs, sharded_logprobs
 from ds_seqpar.integrations.positions import PositionFn, PositionRule, model_position_ids, position_rule_of
 from ds_seqpar.integrations.recurrent_layers import has_recurrent_layers, refuse_recurrent_layers
 from ds_seqpar.integrations.routing import enable_sequence_parallel
@@ -334,6 +335,49 @@ class SeqParCausalLM(torch.nn.Module):
         self.last_num_tokens = num_tokens
         return loss
 
+    def token_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        shift_labels: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        *,
+        gather: bool = False,
+        entropy: bool = False,
+        temperature: float = 1.0,
+        chunk_size: int | None = None,
+        **extra: Any,
+    ) -> TokenLogprobs:
+        """Log p(label) of every labelled token (and entropies), this rank's ``[B, n]`` or, ``gather=True``, the
+        whole ``[B, S]``; see ``ds_seqpar.integrations.logprobs`` (``ds_seqpar.token_logprobs``)."""
+        self._refuse_masks(extra)
+        hidden = self._hidden(input_ids, position_ids, doc_ids)
+        return self._token_logprobs(hidden, shift_labels, doc_ids, gather, entropy, temperature, chunk_size)
+
+    def _token_logprobs(
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        doc_ids: torch.Tensor | None,
+        gather: bool,
+        entropy: bool,
+        temperature: float,
+        chunk_size: int | None,
+    ) -> TokenLogprobs:
+        """Log-probs of ``targets [B, n]`` from final hidden states ``[B, n, E]`` (``gather``: over the group)."""
+        return sharded_logprobs(
+            hidden,
+            targets,
+            self._parts.logits,
+            self.mesh,
+            doc_ids,
+            gather=gather,
+            entropy=entropy,
+            temperature=temperature,
+            chunk_size=chunk_size or self.loss_chunk_size,
+            grad_scale=self.grad_scale,
+        )
+
     @torch.no_grad()
     def evaluate(
         self,
@@ -409,6 +453,24 @@ class SeqParMaskedLM(SeqParCausalLM):
         **extra: Any,
     ) -> torch.Tensor:
         return self._loss(input_ids, labels, position_ids, doc_ids, extra)
+
+    def token_logprobs(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        *,
+        gather: bool = False,
+        entropy: bool = False,
+        temperature: float = 1.0,
+        chunk_size: int | None = None,
+        **extra: Any,
+    ) -> TokenLogprobs:
+        """Log p(label) at the masked tokens (and entropies); see ``SeqParCausalLM.token_logprobs``."""
+        self._refuse_masks(extra)
+        hidden = self._hidden(input_ids, position_ids, doc_ids)
+        return self._token_logprobs(hidden, labels, doc_ids, gather, entropy, temperature, chunk_size)
 
     @torch.no_grad()
     def evaluate(  # type: ignore[override]

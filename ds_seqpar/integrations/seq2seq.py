@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from ds_seqpar.integrations.causal_lm import SeqParCausalLM
 from ds_seqpar.integrations.context import ACTIVE_CONTEXT, SeqParContext, current_context
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
+from ds_seqpar.integrations.logprobs import TokenLogprobs
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.parallel.cross import CROSS_SCHEDULES
 
@@ -177,6 +178,28 @@ class SeqParSeq2SeqLM(SeqParCausalLM):
         hidden = self._decoder_hidden(input_ids, position_ids, doc_ids, input_features, encoder_hidden_states,
                                       encoder_attention_mask, extra)  # fmt: skip
         return self._token_loss(hidden, shift_labels)
+
+    def token_logprobs(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        shift_labels: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        *,
+        input_features: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        gather: bool = False,
+        entropy: bool = False,
+        temperature: float = 1.0,
+        chunk_size: int | None = None,
+        **extra: Any,
+    ) -> TokenLogprobs:
+        """The decoder's per-token log-probs (see ``SeqParCausalLM.token_logprobs``), with the same encoder inputs
+        as ``forward``."""
+        hidden = self._decoder_hidden(input_ids, position_ids, doc_ids, input_features, encoder_hidden_states,
+                                      encoder_attention_mask, extra)  # fmt: skip
+        return self._token_logprobs(hidden, shift_labels, doc_ids, gather, entropy, temperature, chunk_size)
 
     @torch.no_grad()
     def evaluate(  # type: ignore[override]
