@@ -26,8 +26,9 @@ TOL = 1e-6  # relative to max(|value|, 1)
 
 def reference_logprobs(
     model: torch.nn.Module, batch: dict, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One process: log p(next token) ``[B, S]`` (0 at the last position), the entropies and the labels."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """One process: log p(next token) ``[B, S]`` (0 at the last position), the entropies, the labels and the
+    per-token statistics of ``TokenLogprobs.stats``."""
     ids = batch["input_ids"]
     if "position_ids" in batch:
         rows = []
@@ -39,12 +40,18 @@ def reference_logprobs(
         logits = torch.cat(rows)
     else:
         logits = model(input_ids=ids).logits
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    scaled = logits.float() / temperature
+    logp = torch.log_softmax(scaled, dim=-1)
     labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
     picked = logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0]
     ent = -(logp.exp() * logp).sum(-1)
     keep = labels != -100
-    return picked * keep, ent * keep, labels
+    stats = {
+        "mean_logits": scaled.mean(-1),
+        "is_top1": (scaled.argmax(-1) == labels).float(),
+        "log_sum_sq_probs": torch.logsumexp(2 * logp, -1),
+    }
+    return picked * keep, ent * keep, labels, {k: (v * keep).detach() for k, v in stats.items()}
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -67,13 +74,15 @@ def logprob_case(kind: str, u: int, layout: str, seq_len: int, pack: bool, tempe
     mesh = sp_mesh(u, layout)
     ref = tiny_model(kind)
     model = copy.deepcopy(ref)
-    ref_logp, ref_ent, labels = reference_logprobs(ref, batch, temperature)
+    ref_logp, ref_ent, labels, ref_stats = reference_logprobs(ref, batch, temperature)
     weights = torch.linspace(-1.0, 2.0, labels.numel()).view_as(labels)
     (ref_logp * weights).sum().backward()
 
     sp = SeqParCausalLM(model, mesh)
     shard = shard_batch(batch, mesh)
-    full = ds_seqpar.token_logprobs(sp, shard, gather=True, entropy=True, temperature=temperature)
+    full = ds_seqpar.token_logprobs(
+        sp, shard, gather=True, entropy=True, temperature=temperature, stats=tuple(ref_stats)
+    )
     seq = full.logprobs.shape[1]
     ref_pad = torch.nn.functional.pad(ref_logp, (0, seq - seq_len))
     errors = {
@@ -81,6 +90,7 @@ def logprob_case(kind: str, u: int, layout: str, seq_len: int, pack: bool, tempe
         "entropy": close(full.entropy[:, :seq_len], ref_ent),
         "labels": float(not torch.equal(full.labels[:, :seq_len], labels)),
         "padding": full.logprobs[:, seq_len:].abs().max().item() if seq > seq_len else 0.0,
+        **{name: close(full.stats[name][:, :seq_len], ref) for name, ref in ref_stats.items()},
     }
     layout_ = ds_seqpar.input_layout(mesh, shard["doc_ids"])
     with torch.no_grad():
@@ -121,6 +131,7 @@ def test_token_logprobs_equal_one_process(dist_pool, kind, u, layout, seq_len, p
         assert errors["padding"] == 0.0, where
         assert errors["gathered"] <= TOL and errors["sharded"] <= TOL and errors["entropy"] <= TOL, where
         assert errors["grad"] <= 1e-5, where
+        assert max(errors[name] for name in ("mean_logits", "is_top1", "log_sum_sq_probs")) <= TOL, where
 
 
 def test_token_logprobs_needs_a_wrapper():

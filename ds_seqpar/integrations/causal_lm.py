@@ -346,13 +346,16 @@ class SeqParCausalLM(torch.nn.Module):
         entropy: bool = False,
         temperature: float = 1.0,
         chunk_size: int | None = None,
+        stats: tuple[str, ...] = (),
         **extra: Any,
     ) -> TokenLogprobs:
         """Log p(label) of every labelled token (and entropies), this rank's ``[B, n]`` or, ``gather=True``, the
         whole ``[B, S]``; see ``ds_seqpar.integrations.logprobs`` (``ds_seqpar.token_logprobs``)."""
         self._refuse_masks(extra)
         hidden = self._hidden(input_ids, position_ids, doc_ids)
-        return self._token_logprobs(hidden, shift_labels, doc_ids, gather, entropy, temperature, chunk_size)
+        return self._token_logprobs(
+            hidden, shift_labels, doc_ids, gather, entropy, temperature, chunk_size, stats
+        )
 
     def _token_logprobs(
         self,
@@ -363,6 +366,7 @@ class SeqParCausalLM(torch.nn.Module):
         entropy: bool,
         temperature: float,
         chunk_size: int | None,
+        stats: tuple[str, ...] = (),
     ) -> TokenLogprobs:
         """Log-probs of ``targets [B, n]`` from final hidden states ``[B, n, E]`` (``gather``: over the group)."""
         return sharded_logprobs(
@@ -376,6 +380,7 @@ class SeqParCausalLM(torch.nn.Module):
             temperature=temperature,
             chunk_size=chunk_size or self.loss_chunk_size,
             grad_scale=self.grad_scale,
+            stats=stats,
         )
 
     @torch.no_grad()
@@ -465,12 +470,13 @@ class SeqParMaskedLM(SeqParCausalLM):
         entropy: bool = False,
         temperature: float = 1.0,
         chunk_size: int | None = None,
+        stats: tuple[str, ...] = (),
         **extra: Any,
     ) -> TokenLogprobs:
         """Log p(label) at the masked tokens (and entropies); see ``SeqParCausalLM.token_logprobs``."""
         self._refuse_masks(extra)
         hidden = self._hidden(input_ids, position_ids, doc_ids)
-        return self._token_logprobs(hidden, labels, doc_ids, gather, entropy, temperature, chunk_size)
+        return self._token_logprobs(hidden, labels, doc_ids, gather, entropy, temperature, chunk_size, stats)
 
     @torch.no_grad()
     def evaluate(  # type: ignore[override]

@@ -26,7 +26,7 @@ gradients of that function in one process.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,31 +41,52 @@ from ds_seqpar.settings import input_layout
 __all__ = ["TokenLogprobs", "chunked_logprobs", "gather_sequence", "sharded_logprobs", "token_logprobs"]
 
 
+STATS = (
+    "mean_logits",
+    "is_top1",
+    "log_sum_sq_probs",
+)  # per-token statistics without gradient (TRL's metrics)
+
+
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """``logprobs`` ``[B, n]`` (or ``[B, S]`` gathered), ``entropy`` (same shape, or None), and the ``labels``
-    they score (-100 = unlabelled, where both are 0), in the same order."""
+    """``logprobs`` ``[B, n]`` (or ``[B, S]`` gathered), ``entropy`` (same shape, or None), the ``labels`` they score
+    (-100 = unlabelled, where every field is 0), in the same order, and the requested ``stats`` (no gradient):
+    ``mean_logits`` (mean of the temperature-scaled logits over V), ``is_top1`` (the label is the arg max, 0/1),
+    ``log_sum_sq_probs`` (log sum_v p_v^2)."""
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None
     labels: torch.Tensor
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _chunk(
-    hidden: torch.Tensor, labels: torch.Tensor, head: Head, temperature: float, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of ``labels [B, c]`` and entropy (zeros unless ``with_entropy``) from ``hidden [B, c, E]``."""
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head: Head,
+    temperature: float,
+    with_entropy: bool,
+    stats: tuple[str, ...],
+) -> tuple[torch.Tensor, ...]:
+    """Log-prob of ``labels [B, c]``, entropy (zeros unless ``with_entropy``) and ``stats`` from ``hidden [B, c, E]``."""
     logits = head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
     labelled = labels != IGNORE_INDEX
-    picked = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    picked = torch.where(labelled, picked, torch.zeros_like(picked))
-    if not with_entropy:
-        return picked, torch.zeros_like(picked)
-    ent = -(logp.exp() * logp).sum(-1)
-    return picked, torch.where(labelled, ent, torch.zeros_like(ent))
+    safe = labels.clamp(min=0).unsqueeze(-1)
+    zero = torch.zeros(labels.shape, dtype=logp.dtype, device=logp.device)
+    out = [torch.where(labelled, logp.gather(-1, safe).squeeze(-1), zero)]
+    out.append(torch.where(labelled, -(logp.exp() * logp).sum(-1), zero) if with_entropy else zero)
+    with torch.no_grad():
+        values = {
+            "mean_logits": lambda: logits.mean(-1),
+            "is_top1": lambda: (logits.argmax(-1, keepdim=True) == safe).squeeze(-1).to(logp.dtype),
+            "log_sum_sq_probs": lambda: torch.logsumexp(2 * logp, dim=-1),
+        }
+        out += [torch.where(labelled, values[name](), zero) for name in stats]
+    return tuple(out)
 
 
 def chunked_logprobs(
@@ -75,23 +96,28 @@ def chunked_logprobs(
     chunk_size: int = 1024,
     temperature: float = 1.0,
     with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs ``[B, n]`` (and entropies) of ``labels [B, n]`` from ``hidden [B, n, E]``, ``chunk_size``
-    tokens of logits at a time (each chunk recomputed in backward when gradients are needed)."""
+    stats: tuple[str, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """Per-token log-probs ``[B, n]`` of ``labels [B, n]`` from ``hidden [B, n, E]``, the entropies (or None) and
+    ``stats`` (names of :data:`STATS`), ``chunk_size`` tokens of logits at a time (each chunk recomputed in backward
+    when gradients are needed)."""
     if hidden.shape[:2] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree on [B, n]")
     if not temperature > 0:
         raise ValueError(f"temperature={temperature} must be > 0 (the logits are divided by it)")
-    logps, ents = [], []
+    unknown = sorted(set(stats) - set(STATS))
+    if unknown:
+        raise ValueError(f"unknown per-token statistics {unknown}; valid: {', '.join(STATS)}")
+    parts: list[tuple[torch.Tensor, ...]] = []
     for start in range(0, hidden.shape[1], chunk_size):
         h, y = hidden[:, start : start + chunk_size], labels[:, start : start + chunk_size]
+        args = (h, y, head, temperature, with_entropy, tuple(stats))
         if torch.is_grad_enabled() and h.requires_grad:
-            lp, ent = checkpoint(_chunk, h, y, head, temperature, with_entropy, use_reentrant=False)
+            parts.append(checkpoint(_chunk, *args, use_reentrant=False))
         else:
-            lp, ent = _chunk(h, y, head, temperature, with_entropy)
-        logps.append(lp)
-        ents.append(ent)
-    return torch.cat(logps, dim=1), (torch.cat(ents, dim=1) if with_entropy else None)
+            parts.append(_chunk(*args))
+    cols = [torch.cat(list(col), dim=1) for col in zip(*parts, strict=True)]
+    return cols[0], (cols[1] if with_entropy else None), dict(zip(stats, cols[2:], strict=True))
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -140,16 +166,17 @@ def sharded_logprobs(
     temperature: float,
     chunk_size: int,
     grad_scale: float,
+    stats: tuple[str, ...] = (),
 ) -> TokenLogprobs:
     """The wrappers' ``token_logprobs`` from this rank's final hidden states ``[B, n, E]`` and ``labels [B, n]``:
     chunked log-probs with the gradient factor ``grad_scale``, gathered over the SP group in global order when
     ``gather`` (the batch's layout from ``doc_ids``, as ``shard_batch`` sharded it)."""
-    logp, ent = chunked_logprobs(hidden, labels, head, chunk_size, temperature, entropy)
+    logp, ent, extra = chunked_logprobs(hidden, labels, head, chunk_size, temperature, entropy, stats)
     if grad_scale != 1.0:
         logp = _ScaleGrad.apply(logp, grad_scale)
         ent = None if ent is None else _ScaleGrad.apply(ent, grad_scale)
     if not gather or mesh.sp_size == 1:
-        return TokenLogprobs(logp, ent, labels)
+        return TokenLogprobs(logp, ent, labels, extra)
     layout = input_layout(mesh, doc_ids)
     if layout.world != mesh.sp_size or layout.group_degree is not None:
         raise UnsupportedModelError(
@@ -161,10 +188,12 @@ def sharded_logprobs(
     team = TeamComm(mesh.group("sp"), mesh.members["sp"], mesh.coords.sp_rank, mesh.comm_stats)
     with torch.no_grad():
         full_labels = gather_sequence(labels, team, perm)
+        full_stats = {name: gather_sequence(value, team, perm) for name, value in extra.items()}
     return TokenLogprobs(
         gather_sequence(logp, team, perm),
         None if ent is None else gather_sequence(ent, team, perm),
         full_labels,
+        full_stats,
     )
 
 
@@ -176,6 +205,7 @@ def token_logprobs(
     entropy: bool = False,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    stats: tuple[str, ...] = (),
 ) -> TokenLogprobs:
     """Per-token log-probs of ``batch`` (the output of ``ds_seqpar.shard_batch``) under ``model``.
 
@@ -188,6 +218,7 @@ def token_logprobs(
         entropy: also return the entropy of every labelled token's distribution.
         temperature: the logits are divided by it before ``log_softmax`` (a sampler's temperature).
         chunk_size: tokens per logits chunk (default: the wrapper's ``loss_chunk_size``).
+        stats: per-token statistics to add, without gradient (names of :data:`STATS`).
     """
     wrapper = getattr(model, "module", model)
     method = getattr(wrapper, "token_logprobs", None)
@@ -196,4 +227,6 @@ def token_logprobs(
             f"token_logprobs needs a ds_seqpar model wrapper (SeqParCausalLM, SeqParMaskedLM) or the DeepSpeed engine "
             f"around one (ds_seqpar.initialize); got {type(model).__name__}"
         )
-    return method(**batch, gather=gather, entropy=entropy, temperature=temperature, chunk_size=chunk_size)
+    return method(
+        **batch, gather=gather, entropy=entropy, temperature=temperature, chunk_size=chunk_size, stats=stats
+    )

@@ -193,13 +193,16 @@ class SeqParSeq2SeqLM(SeqParCausalLM):
         entropy: bool = False,
         temperature: float = 1.0,
         chunk_size: int | None = None,
+        stats: tuple[str, ...] = (),
         **extra: Any,
     ) -> TokenLogprobs:
         """The decoder's per-token log-probs (see ``SeqParCausalLM.token_logprobs``), with the same encoder inputs
         as ``forward``."""
         hidden = self._decoder_hidden(input_ids, position_ids, doc_ids, input_features, encoder_hidden_states,
                                       encoder_attention_mask, extra)  # fmt: skip
-        return self._token_logprobs(hidden, shift_labels, doc_ids, gather, entropy, temperature, chunk_size)
+        return self._token_logprobs(
+            hidden, shift_labels, doc_ids, gather, entropy, temperature, chunk_size, stats
+        )
 
     @torch.no_grad()
     def evaluate(  # type: ignore[override]
