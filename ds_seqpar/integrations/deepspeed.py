@@ -163,17 +163,22 @@ def initialize(
 
 
 def wrap_for_training(
-    model: torch.nn.Module, mesh: SeqParMesh, ds_config: dict[str, Any], loss_chunk_size: int
+    model: torch.nn.Module,
+    mesh: SeqParMesh,
+    ds_config: dict[str, Any],
+    loss_chunk_size: int,
+    cls: type | None = None,
 ) -> SeqParCausalLM:
     """``SeqParCausalLM(model)`` (``SeqParMaskedLM`` for a masked-LM model, see ``objective_of``;
-    ``SeqParSeq2SeqLM`` for an encoder-decoder) with the gradient factor of the config's ZeRO stage
-    (``sp_grad_scale``)."""
+    ``SeqParSeq2SeqLM`` for an encoder-decoder; ``cls`` when given) with the gradient factor of the config's
+    ZeRO stage (``sp_grad_scale``)."""
     from ds_seqpar.integrations.seq2seq import SeqParSeq2SeqLM
 
     grad_scale = sp_grad_scale(zero_stage(ds_config), mesh.sp_size)
-    cls = SeqParMaskedLM if objective_of(model) == "masked" else SeqParCausalLM
-    if getattr(getattr(unwrap_hf_model(model), "config", None), "is_encoder_decoder", False):
-        cls = SeqParSeq2SeqLM
+    if cls is None:
+        cls = SeqParMaskedLM if objective_of(model) == "masked" else SeqParCausalLM
+        if getattr(getattr(unwrap_hf_model(model), "config", None), "is_encoder_decoder", False):
+            cls = SeqParSeq2SeqLM
     return cls(model, mesh, grad_scale=grad_scale, loss_chunk_size=loss_chunk_size)
 
 

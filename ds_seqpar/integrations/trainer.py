@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import inspect
 import json
 from typing import Any
 
@@ -279,6 +281,26 @@ def _refuse_unhonoured_arguments(args: Any, eval_dataset: Any) -> None:
         )
 
 
+def trainer_argument(trainer: Any, name: str, trainer_args: tuple, trainer_kwargs: dict[str, Any]) -> Any:
+    """The value of the base trainer's ``__init__`` argument ``name`` in this call (positional or keyword)."""
+    if name in trainer_kwargs:
+        return trainer_kwargs[name]
+    base = next(c for c in type(trainer).__mro__ if not issubclass(c, SeqParTrainerMixin))
+    params = [p for p in inspect.signature(base.__init__).parameters.values() if p.name != "self"]
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    index = positional.index(name) if name in positional else len(trainer_args)
+    return trainer_args[index] if index < len(trainer_args) else None
+
+
+def _model_config(model: Any) -> Any:
+    """The HF config of the trainer's ``model`` argument (a model, or a path TRL loads), or None."""
+    if isinstance(model, str):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model)
+    return getattr(model, "config", None)
+
+
 class SeqParTrainerMixin:
     """The sequence-parallel behaviour of :class:`SeqParTrainer`, for any ``transformers.Trainer`` subclass.
 
@@ -286,7 +308,15 @@ class SeqParTrainerMixin:
         pad_token_id: id used to pad sequences to the layout's multiple (default: the processing
             class's pad token, else 0).
         loss_chunk_size: tokens per logits chunk in the loss.
+
+    The mesh is built before the base ``__init__`` runs, which runs inside ``sequence_parallel_scope`` (a
+    reference model that a TRL trainer prepares with DeepSpeed gets the mesh's config). Subclasses for
+    trainers that compute their own loss from log-probs (``integrations/trl_trainers.py``) set
+    ``seqpar_wrapper`` (the model wrapper class) and ``seqpar_owns_loss = False``.
     """
+
+    seqpar_wrapper: type | None = None  # None: wrap_for_training's choice for the model
+    seqpar_owns_loss = True  # the wrapper's forward returns the SP group's loss
 
     def __init__(
         self,
@@ -295,15 +325,20 @@ class SeqParTrainerMixin:
         loss_chunk_size: int = 1024,
         **trainer_kwargs: Any,
     ) -> None:
-        args = trainer_kwargs.get("args", trainer_args[1] if len(trainer_args) > 1 else None)
+        args = trainer_argument(self, "args", trainer_args, trainer_kwargs)
         if args is None or not getattr(args, "deepspeed", None):
             raise SeqParConfigError(
                 f"{type(self).__name__} needs TrainingArguments(deepspeed=<config with a 'sequence_parallel' "
                 "section>), e.g. deepspeed='ds_configs/usp_zero3.json'"
             )
+        first = load_config(_raw_config(args.deepspeed))[0]
         # the section's fault_timeout_s bounds every collective (an existing process group keeps its own)
-        init_distributed(load_config(_raw_config(args.deepspeed))[0].fault_timeout_s)
-        super().__init__(*trainer_args, **trainer_kwargs)
+        init_distributed(first.fault_timeout_s)
+        mesh = SeqParMesh.from_config(
+            first, _model_config(trainer_argument(self, "model", trainer_args, trainer_kwargs))
+        )
+        with sequence_parallel_scope(mesh):
+            super().__init__(*trainer_args, **trainer_kwargs)
         section, ds_config, notices = reconcile_training_arguments(self.args)
         _refuse_unhonoured_arguments(self.args, self.eval_dataset)
         self._train_batch_size = self.args.train_batch_size  # the base read it before the JSON's micro batch
@@ -311,15 +346,17 @@ class SeqParTrainerMixin:
             for line in notices:
                 print(f"ds_seqpar: {line}", flush=True)
         model = self.model
-        self.seqpar_mesh = SeqParMesh.from_config(section, getattr(model, "config", None))
+        self.seqpar_mesh = mesh.with_section(section, getattr(model, "config", None))
         if pad_token_id is None:
             pad_token_id = getattr(getattr(self, "processing_class", None), "pad_token_id", None)
         self.seqpar_pad_token_id = 0 if pad_token_id is None else int(pad_token_id)
-        wrapped = wrap_for_training(model, self.seqpar_mesh, ds_config, loss_chunk_size)
+        wrapped = wrap_for_training(model, self.seqpar_mesh, ds_config, loss_chunk_size, self.seqpar_wrapper)
         self.model = self.model_wrapped = wrapped
         self.seqpar_objective = wrapped.objective  # how the data loader shards labels
-        # the loss is already the SP group's token mean: let the Trainer divide by grad accumulation
-        self.model_accepts_loss_kwargs = False
+        if (
+            self.seqpar_owns_loss
+        ):  # the loss is already the SP group's token mean: the Trainer divides by accumulation
+            self.model_accepts_loss_kwargs = False
         self.seqpar_watch: StepWatch | None = None
 
     def get_train_dataloader(self) -> DataLoader:
@@ -397,12 +434,52 @@ class SeqParTrainerMixin:
             torch.save(self.args, f"{output_dir}/training_args.bin")
 
 
+# trainer classes (module, name) whose training needs more than the SP loss: where the mixin that adds it lives
+# ("module:attribute", imported on first use: TRL is a heavy import)
+TRAINER_MIXINS: dict[tuple[str, str], str] = {
+    ("trl.trainer.grpo_trainer", "GRPOTrainer"): "ds_seqpar.integrations.trl_trainers:GRPOSeqParMixin",
+    ("trl.trainer.dpo_trainer", "DPOTrainer"): "ds_seqpar.integrations.trl_trainers:DPOSeqParMixin",
+}
+# TRL trainers that train with the plain SP loss (the sharding DataLoader, SeqParCausalLM's forward)
+PLAIN_TRL_TRAINERS = ("SFTTrainer",)
+
+
+def register_trainer_mixin(module: str, name: str, mixin: str) -> None:
+    """Make ``with_sequence_parallel`` add the mixin at ``mixin`` (``"package.module:Class"``, a
+    ``SeqParTrainerMixin`` subclass) for the trainer class ``module.name`` and its subclasses."""
+    TRAINER_MIXINS[(module, name)] = mixin
+
+
+def _mixin_for(trainer_class: type) -> type:
+    for cls in trainer_class.__mro__:
+        found = TRAINER_MIXINS.get((cls.__module__, cls.__name__))
+        if found is not None:
+            module, _, attribute = found.partition(":")
+            return getattr(importlib.import_module(module), attribute)
+    trl = [
+        c.__name__
+        for c in trainer_class.__mro__
+        if c.__module__.startswith("trl.") and c.__name__.endswith("Trainer")
+    ]
+    if trl and trl[-1] not in PLAIN_TRL_TRAINERS:
+        supported = sorted({*PLAIN_TRL_TRAINERS, *(n for m, n in TRAINER_MIXINS if m.startswith("trl."))})
+        raise SeqParConfigError(
+            f"with_sequence_parallel({trainer_class.__name__}): TRL's {trl[-1]} is not supported under sequence "
+            f"parallelism (its data, generation or loss would not be split over the SP group); valid: "
+            f"{', '.join(supported)}"
+        )
+    return SeqParTrainerMixin
+
+
 @functools.cache
 def with_sequence_parallel(trainer_class: type) -> type:
-    """``trainer_class`` (a ``transformers.Trainer`` subclass, e.g. TRL's ``SFTTrainer``) with sequence parallelism.
+    """``trainer_class`` (a ``transformers.Trainer`` subclass, e.g. TRL's ``SFTTrainer``, ``GRPOTrainer``,
+    ``DPOTrainer``) with sequence parallelism.
 
     ``with_sequence_parallel(SFTTrainer)(model=..., args=SFTConfig(deepspeed=...), ...)`` is the one-line
-    change; the returned class is cached, so repeated calls give the same class.
+    change; the returned class is cached, so repeated calls give the same class. TRL's GRPO and DPO trainers
+    get their mixins from ``TRAINER_MIXINS`` (``integrations/trl_trainers.py``); other TRL trainers are refused
+    by name.
     """
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
         raise TypeError(
@@ -410,7 +487,7 @@ def with_sequence_parallel(trainer_class: type) -> type:
         )
     if issubclass(trainer_class, SeqParTrainerMixin):
         return trainer_class
-    return type(f"SeqPar{trainer_class.__name__}", (SeqParTrainerMixin, trainer_class), {})
+    return type(f"SeqPar{trainer_class.__name__}", (_mixin_for(trainer_class), trainer_class), {})
 
 
 class SeqParTrainer(SeqParTrainerMixin, Trainer):
