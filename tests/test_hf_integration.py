@@ -319,3 +319,29 @@ def test_evaluation_under_sp_matches_non_sp_at_any_length(dist_pool):
         for rep in per_rank:
             assert rep["loss_err"] <= 1e-5, rep
             assert rep["correct"][0] == rep["correct"][1] and rep["count"][0] == rep["count"][1], rep
+
+
+# --------------------------------------------------------------------------------------------
+# SeqParTrainer's sharded evaluation (ds_seqpar/integrations/trainer_eval.py) vs one process
+
+
+def _check_eval(report: dict) -> None:
+    for metrics in (report["before"], *report["during"]):
+        for prefix, ref in report["refs"].items():
+            assert abs(metrics[f"{prefix}_loss"] - ref["loss"]) <= 1e-6 * ref["loss"], (prefix, metrics, ref)
+            assert abs(metrics[f"{prefix}_accuracy"] - ref["accuracy"]) < 1e-12, (prefix, metrics, ref)
+            assert metrics.get(f"{prefix}_runtime", 1.0) >= 0.0
+    assert len(report["during"]) == 1  # eval_steps=1, max_steps=1
+
+
+@pytest.mark.parametrize(
+    ("kind", "sp", "u", "stage", "layout"),
+    [("llama", 4, 2, 3, "zigzag"), ("gemma2", 4, 1, 1, "stripe"), ("llama", 2, 2, 3, "zigzag")],
+)
+def test_trainer_evaluation_equals_one_process(dist_pool, tmp_path, kind, sp, u, stage, layout):
+    """U x R mesh under ZeRO-3, a pure ring (Gemma 2: soft-caps, sliding window), dp=2 x SP=2 (filler batch,
+    a collator without labels): evaluate() and eval_strategy='steps' equal the one-process evaluation."""
+    from tests.helpers.trainer_eval import trainer_eval_case
+
+    for report in dist_pool(4).run(trainer_eval_case, kind, sp, u, stage, layout, str(tmp_path)):
+        _check_eval(report)

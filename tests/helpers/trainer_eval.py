@@ -1,0 +1,124 @@
+"""SeqParTrainer's sharded evaluation vs a single-process token-weighted evaluation (tests/test_hf_integration.py).
+
+The reference runs the plain HF model on every sample in one process (packed documents one forward
+each) and sums cross-entropy, correct argmax and labelled tokens over the whole set; the eval set has
+an odd number of samples, so dp = 2 runs filler batches, and mixes packed and plain rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from tests.helpers.hf_ab import ab_ds_config
+from tests.helpers.hf_models import batches, tiny_model
+
+SEQ = 40  # not a multiple of the layouts' 2 x 4: shard_batch pads
+
+
+def eval_samples(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """``n`` rows of SEQ tokens; every other row packs 3 documents (positions restart, labels -100 at a
+    document's first token, as ds_seqpar.tasks.text.pack_documents)."""
+    out = []
+    for i, b in enumerate(batches(n, 1, SEQ, seed=seed)):
+        ids = b["input_ids"][0]
+        labels = ids.clone()
+        pos = torch.arange(SEQ)
+        if i % 2 == 0:
+            starts = (0, 11, 29)
+            for a, z in itertools.pairwise((*starts, SEQ)):
+                pos[a:z] = torch.arange(z - a)
+            labels[list(starts)] = -100
+        out.append({"input_ids": ids, "labels": labels, "position_ids": pos})
+    return out
+
+
+def reference(model: torch.nn.Module, samples: list[dict], use_labels: bool = True) -> dict[str, float]:
+    """Token-weighted loss and next-token accuracy over ``samples`` in one process."""
+    loss_sum, correct, count = 0.0, 0, 0
+    for s in samples:
+        ids, pos = s["input_ids"], s["position_ids"]
+        labels = s["labels"] if use_labels else ids
+        n = len(ids)
+        starts = [0, *(i for i in range(1, n) if pos[i] <= pos[i - 1]), n]
+        with torch.no_grad():
+            logits = torch.cat(
+                [model(input_ids=ids[a:z][None]).logits[0] for a, z in itertools.pairwise(starts)]
+            )
+        targets = torch.nn.functional.pad(labels[1:], (0, 1), value=-100)
+        keep = targets != -100
+        logits, targets = logits[keep].double(), targets[keep]
+        loss_sum += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+        correct += int((logits.argmax(-1) == targets).sum())
+        count += int(keep.sum())
+    return {"loss": loss_sum / count, "accuracy": correct / count, "count": count}
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, rows: list[dict]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.rows[i]
+
+
+def _without_labels(examples: list[dict]) -> dict[str, torch.Tensor]:
+    """A collator that drops the labels (shard_batch then predicts the input ids): fillers must still count 0."""
+    return {k: torch.stack([e[k] for e in examples]) for k in ("input_ids", "position_ids")}
+
+
+def _trainer(kind: str, sp: int, u: int, stage: int, layout: str, out_dir: str, **kwargs: Any) -> Any:
+    from transformers import TrainingArguments
+
+    import ds_seqpar
+
+    config = ab_ds_config(sp, u, stage, layout)
+    config["gradient_clipping"] = 1.0
+    del config["zero_allow_untested_optimizer"]
+    collator = kwargs.pop("data_collator", None)
+    eval_dataset = kwargs.pop("eval_dataset")
+    args = TrainingArguments(
+        output_dir=out_dir, deepspeed=config, max_grad_norm=1.0, report_to=[], use_cpu=True, seed=0,
+        save_strategy="no", learning_rate=0.0, max_steps=1, logging_steps=1, **kwargs,
+    )  # fmt: skip
+    train = _Rows(eval_samples(2, seed=3))
+    return ds_seqpar.SeqParTrainer(
+        model=tiny_model(kind),
+        args=args,
+        train_dataset=train,
+        eval_dataset=eval_dataset,
+        data_collator=collator,
+    )
+
+
+def trainer_eval_case(kind: str, sp: int, u: int, stage: int, layout: str, out_dir: str) -> dict[str, Any]:
+    """``trainer.evaluate()`` before training, and the evaluations ``eval_strategy='steps'`` runs during a
+    1-step training at lr 0 (the DeepSpeed engine, weights unchanged), vs the reference."""
+    plain, packed = eval_samples(5, seed=11), eval_samples(3, seed=12)
+    dp2 = sp < 4
+    kwargs: dict[str, Any] = dict(
+        per_device_eval_batch_size=2 if dp2 else 1, eval_strategy="steps", eval_steps=1
+    )
+    if dp2:  # one eval set, a collator without labels
+        kwargs.update(eval_dataset=_Rows(plain), data_collator=_without_labels)
+    else:  # a dict of eval sets: eval_<name>_loss
+        kwargs.update(eval_dataset={"plain": _Rows(plain), "packed": _Rows(packed)})
+    trainer = _trainer(kind, sp, u, stage, layout, out_dir, **kwargs)
+    mode = trainer.model.training
+    before = trainer.evaluate()
+    assert trainer.model.training == mode
+    trainer.train()
+    during: dict[int, dict] = {}  # one log row per eval set: merged per step
+    for row in trainer.state.log_history:
+        if any(k.startswith("eval") and k.endswith("_loss") for k in row):
+            during.setdefault(row["step"], {}).update(row)
+    ref_model = tiny_model(kind)
+    refs = {"eval": reference(ref_model, plain, use_labels=not dp2)}
+    if not dp2:
+        refs = {"eval_plain": refs["eval"], "eval_packed": reference(ref_model, packed)}
+    return {"before": before, "during": list(during.values()), "refs": refs}
