@@ -325,13 +325,13 @@ def test_evaluation_under_sp_matches_non_sp_at_any_length(dist_pool):
 # SeqParTrainer's sharded evaluation (ds_seqpar/integrations/trainer_eval.py) vs one process
 
 
-def _check_eval(report: dict) -> None:
+def _check_eval(report: dict, evaluations: int = 1) -> None:
     for metrics in (report["before"], *report["during"]):
         for prefix, ref in report["refs"].items():
             assert abs(metrics[f"{prefix}_loss"] - ref["loss"]) <= 1e-6 * ref["loss"], (prefix, metrics, ref)
             assert abs(metrics[f"{prefix}_accuracy"] - ref["accuracy"]) < 1e-12, (prefix, metrics, ref)
             assert metrics.get(f"{prefix}_runtime", 1.0) >= 0.0
-    assert len(report["during"]) == 1  # eval_steps=1, max_steps=1
+    assert len(report["during"]) == evaluations  # eval_steps=1, max_steps=1
 
 
 @pytest.mark.parametrize(
@@ -345,3 +345,12 @@ def test_trainer_evaluation_equals_one_process(dist_pool, tmp_path, kind, sp, u,
 
     for report in dist_pool(4).run(trainer_eval_case, kind, sp, u, stage, layout, str(tmp_path)):
         _check_eval(report)
+
+
+def test_trl_sft_trainer_evaluation_equals_one_process(dist_pool, tmp_path):
+    """with_sequence_parallel(SFTTrainer), packed eval rows prepared by TRL: evaluate() equals one process."""
+    from tests.helpers.trainer_eval import sft_eval_case
+
+    for report in dist_pool(4).run(sft_eval_case, str(tmp_path)):
+        assert report["rows"] >= 2
+        _check_eval(report, evaluations=0)

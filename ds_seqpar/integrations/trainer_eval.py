@@ -29,6 +29,7 @@ samples, an eval set without a length, and ``predict()``.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -66,9 +67,36 @@ def refuse_unhonoured_evaluation(trainer: Any) -> None:
         )
 
 
+def _whole_parameters(model: torch.nn.Module) -> Any:
+    """Before ``train()`` (no DeepSpeed engine) a model created after ``TrainingArguments`` with a ZeRO-3
+    config is partitioned (``deepspeed.zero.Init``) and nothing gathers its parameters in the forward:
+    gather them all on every rank for the evaluation (read-only; one all-gather per parameter over the
+    ZeRO group). Whole parameters: nothing to do."""
+    params = list(model.parameters())
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
 class SeqParEvaluationMixin:
     """The evaluation half of ``SeqParTrainerMixin`` (module docstring); expects ``seqpar_mesh``,
     ``seqpar_pad_token_id`` and ``seqpar_objective`` set by it."""
+
+    def _seqpar_runner(self) -> Any:
+        """The DeepSpeed engine once ``train()`` made one, else the wrapped model."""
+        return self.deepspeed if getattr(self, "deepspeed", None) is not None else self.model
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """The base ``evaluate`` (a subclass's too: TRL prepares a passed dataset there), then the model's
+        train/eval mode as it was before."""
+        runner = self._seqpar_runner()
+        training = getattr(runner, "module", runner).training
+        try:
+            return super().evaluate(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            runner.train(training)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> EvenShares:
         """The sharded batches of ``eval_dataset`` (a dataset, the name of one in ``self.eval_dataset``, or
@@ -122,18 +150,15 @@ class SeqParEvaluationMixin:
                 f"{type(self).__name__}.evaluation_loop got a {type(dataloader).__name__}; sharded evaluation "
                 "runs on the batches of get_eval_dataloader() (trainer.evaluate()); predict() is not supported"
             )
-        runner = self.deepspeed if getattr(self, "deepspeed", None) is not None else self.model
+        runner = self._seqpar_runner()
         module = getattr(runner, "module", runner)  # the SeqParCausalLM (inside the engine after train())
-        training = module.training
-        runner.eval()
+        runner.eval()  # as the base loop: the mode stays "eval" through its log() (TRL reads it); evaluate() restores it
         self.callback_handler.eval_dataloader = dataloader
-        try:
-            with torch.no_grad():
-                result = evaluate_shards(
-                    module.evaluate, dataloader, self.seqpar_mesh, self.args.device, self._prepare_inputs
-                )
-        finally:
-            runner.train(training)
+        engine = getattr(self, "deepspeed", None) is not None  # its hooks gather ZeRO-3 parameters
+        with torch.no_grad(), contextlib.nullcontext() if engine else _whole_parameters(runner):
+            result = evaluate_shards(
+                module.evaluate, dataloader, self.seqpar_mesh, self.args.device, self._prepare_inputs
+            )
         metrics = {
             f"{metric_key_prefix}_loss": result["loss"],
             f"{metric_key_prefix}_accuracy": result["accuracy"],

@@ -18,9 +18,10 @@ from tests.helpers.hf_models import batches, tiny_model
 SEQ = 40  # not a multiple of the layouts' 2 x 4: shard_batch pads
 
 
-def eval_samples(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+def eval_samples(n: int, seed: int, short: int = SEQ) -> list[dict[str, torch.Tensor]]:
     """``n`` rows of SEQ tokens; every other row packs 3 documents (positions restart, labels -100 at a
-    document's first token, as ds_seqpar.tasks.text.pack_documents)."""
+    document's first token, as ds_seqpar.tasks.text.pack_documents); the rows between them plain and cut
+    to ``short`` tokens."""
     out = []
     for i, b in enumerate(batches(n, 1, SEQ, seed=seed)):
         ids = b["input_ids"][0]
@@ -31,7 +32,8 @@ def eval_samples(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
             for a, z in itertools.pairwise((*starts, SEQ)):
                 pos[a:z] = torch.arange(z - a)
             labels[list(starts)] = -100
-        out.append({"input_ids": ids, "labels": labels, "position_ids": pos})
+        keep = SEQ if i % 2 == 0 else short
+        out.append({"input_ids": ids[:keep], "labels": labels[:keep], "position_ids": pos[:keep]})
     return out
 
 
@@ -78,10 +80,12 @@ def _trainer(kind: str, sp: int, u: int, stage: int, layout: str, out_dir: str, 
     import ds_seqpar
 
     config = ab_ds_config(sp, u, stage, layout)
+    config["zero_optimization"].update(kwargs.pop("zero", {}))
     config["gradient_clipping"] = 1.0
     del config["zero_allow_untested_optimizer"]
     collator = kwargs.pop("data_collator", None)
     eval_dataset = kwargs.pop("eval_dataset")
+    chunk = kwargs.pop("loss_chunk_size", 1024)
     args = TrainingArguments(
         output_dir=out_dir, deepspeed=config, max_grad_norm=1.0, report_to=[], use_cpu=True, seed=0,
         save_strategy="no", learning_rate=0.0, max_steps=1, logging_steps=1, **kwargs,
@@ -93,19 +97,27 @@ def _trainer(kind: str, sp: int, u: int, stage: int, layout: str, out_dir: str, 
         train_dataset=train,
         eval_dataset=eval_dataset,
         data_collator=collator,
+        loss_chunk_size=chunk,
     )
 
 
 def trainer_eval_case(kind: str, sp: int, u: int, stage: int, layout: str, out_dir: str) -> dict[str, Any]:
     """``trainer.evaluate()`` before training, and the evaluations ``eval_strategy='steps'`` runs during a
     1-step training at lr 0 (the DeepSpeed engine, weights unchanged), vs the reference."""
-    plain, packed = eval_samples(5, seed=11), eval_samples(3, seed=12)
     dp2 = sp < 4
+    plain, packed = eval_samples(5, seed=11, short=24 if dp2 else SEQ), eval_samples(3, seed=12)
     kwargs: dict[str, Any] = dict(
         per_device_eval_batch_size=2 if dp2 else 1, eval_strategy="steps", eval_steps=1
     )
-    if dp2:  # one eval set, a collator without labels
-        kwargs.update(eval_dataset=_Rows(plain), data_collator=_without_labels)
+    if dp2:  # one eval set, a collator without labels; replica 0 reads 40-token rows, replica 1 24-token ones
+        # and the filler: 16-token logits chunks make their head calls differ (3 vs 2 in the first batch), which
+        # ZeRO-3 with every parameter partitioned (persistence threshold 0) gathers per call
+        kwargs.update(
+            eval_dataset=_Rows(plain),
+            data_collator=_without_labels,
+            loss_chunk_size=16,
+            zero={"stage3_param_persistence_threshold": 0},
+        )
     else:  # a dict of eval sets: eval_<name>_loss
         kwargs.update(eval_dataset={"plain": _Rows(plain), "packed": _Rows(packed)})
     trainer = _trainer(kind, sp, u, stage, layout, out_dir, **kwargs)
@@ -122,3 +134,49 @@ def trainer_eval_case(kind: str, sp: int, u: int, stage: int, layout: str, out_d
     if not dp2:
         refs = {"eval_plain": refs["eval"], "eval_packed": reference(ref_model, packed)}
     return {"before": before, "during": list(during.values()), "refs": refs}
+
+
+def sft_eval_case(out_dir: str) -> dict[str, Any]:
+    """TRL's ``SFTTrainer`` through ``with_sequence_parallel`` (packing: padding-free rows of documents, the
+    eval set prepared by TRL): ``evaluate()`` before ``train()``, on a model that ``from_config`` partitioned
+    (ZeRO-3 config alive: ``deepspeed.zero.Init``), vs the reference on the rows its collator makes."""
+    from datasets import Dataset
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    import ds_seqpar
+
+    asset = "assets/tiny-llama"
+    tokenizer = AutoTokenizer.from_pretrained(asset)
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(asset), dtype=torch.float32)
+
+    g = torch.Generator().manual_seed(5)
+    texts = [
+        " ".join(f"f{int(i)}" for i in torch.randint(0, 60, (int(n),), generator=g))
+        for n in (20, 45, 33, 50, 27, 38)
+    ]
+    config = ab_ds_config(4, 2, 3)
+    config["gradient_clipping"] = 1.0
+    del config["zero_allow_untested_optimizer"]
+    args = SFTConfig(
+        output_dir=out_dir, deepspeed=config, max_grad_norm=1.0, report_to=[], use_cpu=True, bf16=False,
+        packing=True, max_length=64, per_device_eval_batch_size=1,
+    )  # fmt: skip
+    data = Dataset.from_dict({"text": texts})
+    trainer = ds_seqpar.with_sequence_parallel(SFTTrainer)(
+        model=model(), args=args, train_dataset=data, eval_dataset=data, processing_class=tokenizer
+    )
+    got = trainer.evaluate()
+    rows = []
+    for i in range(len(trainer.eval_dataset)):
+        batch = trainer.data_collator([trainer.eval_dataset[i]])
+        rows.append({k: batch[k][0] for k in ("input_ids", "labels", "position_ids")})
+    import deepspeed
+
+    ref_model = model()  # built under deepspeed.zero.Init like the trainer's (ZeRO-3 config alive): gather it
+    with deepspeed.zero.GatheredParameters(list(ref_model.parameters())):
+        ref = reference(ref_model, rows)
+    return {"before": got, "during": [], "refs": {"eval": ref}, "rows": len(rows)}
