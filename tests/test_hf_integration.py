@@ -354,3 +354,11 @@ def test_trl_sft_trainer_evaluation_equals_one_process(dist_pool, tmp_path):
     for report in dist_pool(4).run(sft_eval_case, str(tmp_path)):
         assert report["rows"] >= 2
         _check_eval(report, evaluations=0)
+
+
+def test_masked_lm_trainer_evaluation_equals_one_process(dist_pool, tmp_path):
+    """SeqParTrainer on a ModernBERT masked LM (U2 x R2): eval_loss / eval_accuracy over the masked tokens."""
+    from tests.helpers.trainer_eval import masked_trainer_eval_case
+
+    for report in dist_pool(4).run(masked_trainer_eval_case, str(tmp_path)):
+        _check_eval(report, evaluations=0)

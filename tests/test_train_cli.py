@@ -535,20 +535,27 @@ def test_eval_data_heldout_perplexity_equals_one_process(dist_pool, tmp_path, mo
 
 
 @pytest.mark.parametrize(
-    ("write", "message"),
+    ("write", "extra", "message"),
     [
-        (None, "--eval-data '{path}' does not exist"),
+        (None, [], "--eval-data '{path}' does not exist"),
         (
             "w1 w2 w3\n",
+            [],
             "fewer than one row of --seq-len 256; fix: more held-out text, or a shorter --seq-len",
+        ),
+        ("\n\n", [], "--eval-data {path}: "),
+        (
+            "w1 w2 w3\n",
+            ["--objective", "mlm"],
+            "--eval-data measures next-token perplexity; --objective mlm has none",
         ),
     ],
 )
-def test_bad_eval_data_fails_before_any_process_group(tmp_path, write, message):
+def test_bad_eval_data_fails_before_any_process_group(tmp_path, write, extra, message):
     path = tmp_path / "held.txt"
     if write is not None:
         path.write_text(write)
     with pytest.raises((UsageError, SeqParConfigError)) as info:
-        parse_args(["--eval-data", str(path), "--seq-len", "256", "--sp-size", "1"])
-    assert message.format(path=path) in str(info.value) and str(path) in str(info.value)
+        parse_args(["--eval-data", str(path), "--seq-len", "256", "--sp-size", "1", *extra])
+    assert message.format(path=path) in str(info.value)
     assert not dist.is_initialized()

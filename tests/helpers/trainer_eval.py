@@ -180,3 +180,28 @@ def sft_eval_case(out_dir: str) -> dict[str, Any]:
     with deepspeed.zero.GatheredParameters(list(ref_model.parameters())):
         ref = reference(ref_model, rows)
     return {"before": got, "during": [], "refs": {"eval": ref}, "rows": len(rows)}
+
+
+def masked_trainer_eval_case(out_dir: str) -> dict[str, Any]:
+    """A masked-LM encoder (ModernBERT: local and global layers) through SeqParTrainer (SeqParMaskedLM):
+    ``evaluate()`` vs the one-process masked-token loss and accuracy (labels not shifted)."""
+    from tests.helpers.hf_models import masked_batches
+
+    rows = [{k: v[0] for k, v in b.items()} for b in masked_batches(3, 1, SEQ, seed=21)]
+    trainer = _trainer("modernbert", 4, 2, 1, "zigzag", out_dir, eval_dataset=_Rows(rows))
+    got = trainer.evaluate()
+    model = tiny_model("modernbert")
+    loss_sum, correct, count = 0.0, 0, 0
+    for row in rows:
+        with torch.no_grad():
+            logits = model(input_ids=row["input_ids"][None]).logits[0].double()
+        keep = row["labels"] != -100
+        logits, targets = logits[keep], row["labels"][keep]
+        loss_sum += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+        correct += int((logits.argmax(-1) == targets).sum())
+        count += int(keep.sum())
+    return {
+        "before": got,
+        "during": [],
+        "refs": {"eval": {"loss": loss_sum / count, "accuracy": correct / count}},
+    }
