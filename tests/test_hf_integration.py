@@ -319,3 +319,46 @@ def test_evaluation_under_sp_matches_non_sp_at_any_length(dist_pool):
         for rep in per_rank:
             assert rep["loss_err"] <= 1e-5, rep
             assert rep["correct"][0] == rep["correct"][1] and rep["count"][0] == rep["count"][1], rep
+
+
+# --------------------------------------------------------------------------------------------
+# SeqParTrainer's sharded evaluation (ds_seqpar/integrations/trainer_eval.py) vs one process
+
+
+def _check_eval(report: dict, evaluations: int = 1) -> None:
+    for metrics in (report["before"], *report["during"]):
+        for prefix, ref in report["refs"].items():
+            assert abs(metrics[f"{prefix}_loss"] - ref["loss"]) <= 1e-6 * ref["loss"], (prefix, metrics, ref)
+            assert abs(metrics[f"{prefix}_accuracy"] - ref["accuracy"]) < 1e-12, (prefix, metrics, ref)
+            assert metrics.get(f"{prefix}_runtime", 1.0) >= 0.0
+    assert len(report["during"]) == evaluations  # eval_steps=1, max_steps=1
+
+
+@pytest.mark.parametrize(
+    ("kind", "sp", "u", "stage", "layout"),
+    [("llama", 4, 2, 3, "zigzag"), ("gemma2", 4, 1, 1, "stripe"), ("llama", 2, 2, 3, "zigzag")],
+)
+def test_trainer_evaluation_equals_one_process(dist_pool, tmp_path, kind, sp, u, stage, layout):
+    """U x R mesh under ZeRO-3, a pure ring (Gemma 2: soft-caps, sliding window), dp=2 x SP=2 (filler batch,
+    a collator without labels): evaluate() and eval_strategy='steps' equal the one-process evaluation."""
+    from tests.helpers.trainer_eval import trainer_eval_case
+
+    for report in dist_pool(4).run(trainer_eval_case, kind, sp, u, stage, layout, str(tmp_path)):
+        _check_eval(report)
+
+
+def test_trl_sft_trainer_evaluation_equals_one_process(dist_pool, tmp_path):
+    """with_sequence_parallel(SFTTrainer), packed eval rows prepared by TRL: evaluate() equals one process."""
+    from tests.helpers.trainer_eval import sft_eval_case
+
+    for report in dist_pool(4).run(sft_eval_case, str(tmp_path)):
+        assert report["rows"] >= 2
+        _check_eval(report, evaluations=0)
+
+
+def test_masked_lm_trainer_evaluation_equals_one_process(dist_pool, tmp_path):
+    """SeqParTrainer on a ModernBERT masked LM (U2 x R2): eval_loss / eval_accuracy over the masked tokens."""
+    from tests.helpers.trainer_eval import masked_trainer_eval_case
+
+    for report in dist_pool(4).run(masked_trainer_eval_case, str(tmp_path)):
+        _check_eval(report, evaluations=0)

@@ -491,3 +491,71 @@ def test_a_bad_flag_is_reported_once(tmp_path):
     done = run_launcher(cmd, cwd=str(DEFAULT_CONFIG.parent.parent))
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == "train.py: error: --seq-len=0 must be >= 1"
+
+
+def test_eval_data_heldout_perplexity_equals_one_process(dist_pool, tmp_path, monkeypatch):
+    """dp=2 x SP=2, 3 held-out rows of packed documents (a filler batch on one replica): --eval-data's
+    heldout_loss at step 0 equals a one-process evaluation of the same model, heldout_ppl is its exp; both
+    reach metrics.jsonl, the log line and DeepSpeed's monitor (ds_seqpar/heldout_loss)."""
+    import math
+
+    from ds_seqpar.cli.heldout import heldout_dataset
+    from ds_seqpar.cli.run import _build_model
+    from tests.helpers.trainer_eval import reference
+
+    held = tmp_path / "held.jsonl"
+    docs = [" ".join(f"w{(i * 11 + j) % 50}" for j in range(30 + 7 * i)) for i in range(12)]
+    held.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    config = json.loads(DEFAULT_CONFIG.read_text())
+    config["sequence_parallel"]["size"] = 2
+    config["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "run"}
+    path = tmp_path / "dp2.json"
+    path.write_text(json.dumps(config))
+    argv = ["--ds_config", path.as_posix(), "--eval-data", str(held), "--seq-len", "256", "--curriculum", "none",
+            "--max-steps", "1", "--eval-every", "0", "--eval-samples", "1", "--no-progress", "--no-export", "--save-every", "0",
+            "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    rows = [r for r in dist_pool(4).run(run_cli, argv)[0] if "heldout_loss" in r]
+    assert [r["step"] for r in rows] == [0, 1]
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = parse_args(argv)
+    data = heldout_dataset(args, args.tokenizer)
+    assert len(data) == 3
+    ref = reference(_build_model(args), [data[i] for i in range(len(data))])
+    first = rows[0]
+    assert abs(first["heldout_loss"] - ref["loss"]) <= 1e-6 * ref["loss"], (first, ref)
+    assert first["heldout_accuracy"] == pytest.approx(ref["accuracy"], abs=1e-12)
+    assert first["heldout_ppl"] == pytest.approx(math.exp(first["heldout_loss"]), rel=1e-12)
+    assert first["heldout_tokens"] == ref["count"]
+    csv_dir = tmp_path / "csv" / "run"
+    for column in ("heldout_loss", "heldout_ppl"):
+        logged = (csv_dir / f"ds_seqpar_{column}.csv").read_text().splitlines()[1:]
+        assert [float(line.split(",")[1]) for line in logged] == pytest.approx(
+            [r[column] for r in rows], rel=1e-6
+        )
+
+
+@pytest.mark.parametrize(
+    ("write", "extra", "message"),
+    [
+        (None, [], "--eval-data '{path}' does not exist"),
+        (
+            "w1 w2 w3\n",
+            [],
+            "fewer than one row of --seq-len 256; fix: more held-out text, or a shorter --seq-len",
+        ),
+        ("\n\n", [], "--eval-data {path}: "),
+        (
+            "w1 w2 w3\n",
+            ["--objective", "mlm"],
+            "--eval-data measures next-token perplexity; --objective mlm has none",
+        ),
+    ],
+)
+def test_bad_eval_data_fails_before_any_process_group(tmp_path, write, extra, message):
+    path = tmp_path / "held.txt"
+    if write is not None:
+        path.write_text(write)
+    with pytest.raises((UsageError, SeqParConfigError)) as info:
+        parse_args(["--eval-data", str(path), "--seq-len", "256", "--sp-size", "1", *extra])
+    assert message.format(path=path) in str(info.value)
+    assert not dist.is_initialized()

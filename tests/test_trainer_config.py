@@ -133,12 +133,69 @@ def test_unhonoured_trainer_arguments_raise_by_name(tmp_path):
     args = _args(
         tmp_path, SHIPPED, train_sampling_strategy="group_by_length", eval_strategy="steps", eval_steps=1
     )
-    with pytest.raises(
-        SeqParConfigError,
-        match=r"train_sampling_strategy='group_by_length' .*; eval_strategy='steps' with an eval_dataset",
-    ):
+    with pytest.raises(SeqParConfigError, match=r"train_sampling_strategy='group_by_length' "):
         _refuse_unhonoured_arguments(args, eval_dataset=[0])
-    _refuse_unhonoured_arguments(_args(tmp_path, SHIPPED), eval_dataset=[0])  # eval_strategy "no": fine
+    _refuse_unhonoured_arguments(
+        _args(tmp_path, SHIPPED, eval_strategy="steps", eval_steps=1), eval_dataset=[0]
+    )
+
+
+def _eval_trainer(tmp_path, **kwargs):
+    """The attributes sharded evaluation reads, on a stand-in for a SeqParTrainer (dp = 2)."""
+    from types import SimpleNamespace
+
+    hooks = {k: kwargs.pop(k, None) for k in ("compute_metrics", "preprocess_logits_for_metrics")}
+    return SimpleNamespace(
+        args=_args(tmp_path, SHIPPED, **kwargs),
+        eval_dataset=None,
+        seqpar_mesh=SimpleNamespace(dp_size=2),
+        **hooks,
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        (
+            {"compute_metrics": len},
+            r"compute_metrics=<built-in function len> \(it takes the logits \[N, S, V\]",
+        ),
+        ({"preprocess_logits_for_metrics": len}, r"preprocess_logits_for_metrics=<built-in function len>"),
+        ({"include_for_metrics": ["inputs"]}, r"include_for_metrics=\['inputs'\] \(only compute_metrics"),
+        (
+            {"bf16_full_eval": True},
+            r"bf16_full_eval=True \(evaluation runs at the DeepSpeed config's precision",
+        ),
+    ],
+)
+def test_unhonoured_evaluation_settings_raise_by_name(tmp_path, kwargs, named):
+    from ds_seqpar.integrations.trainer_eval import refuse_unhonoured_evaluation
+
+    with pytest.raises(SeqParConfigError, match=named):
+        refuse_unhonoured_evaluation(_eval_trainer(tmp_path, **kwargs))
+    refuse_unhonoured_evaluation(
+        _eval_trainer(tmp_path, eval_accumulation_steps=2, prediction_loss_only=False)
+    )
+
+
+def test_evaluation_sets_predict_and_foreign_loaders_are_refused(tmp_path):
+    from ds_seqpar.integrations.trainer_eval import SeqParEvaluationMixin as Eval
+
+    trainer = _eval_trainer(tmp_path, dataloader_drop_last=True, per_device_eval_batch_size=2)
+    with pytest.raises(
+        SeqParConfigError, match=r"dataloader_drop_last=True with an eval set of 5 samples, not a multiple"
+    ):
+        Eval.get_eval_dataloader(trainer, list(range(5)))
+    with pytest.raises(SeqParConfigError, match=r"eval_dataset generator has no length"):
+        Eval.get_eval_dataloader(trainer, (i for i in range(5)))
+    with pytest.raises(
+        SeqParConfigError, match=r"predict\(\) returns the logits \[N, S, V\] of every sample"
+    ):
+        Eval.predict(trainer, [0])
+    with pytest.raises(
+        SeqParConfigError, match=r"evaluation_loop got a list; .* predict\(\) is not supported"
+    ):
+        Eval.evaluation_loop(trainer, [], "Prediction")
 
 
 def test_a_failed_step_keeps_the_traceback_of_a_bug():

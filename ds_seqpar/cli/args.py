@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ds_seqpar.cli.heldout import add_eval_data_flag, check_eval_data
 from ds_seqpar.config import load_config, with_overrides
 from ds_seqpar.errors import MissingFileError, SeqParConfigError
 from ds_seqpar.tasks.text import PACKINGS
@@ -119,6 +120,7 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
         help="training text: .jsonl, .txt or a datasets save_to_disk directory (default: passkey task)",
     )
     p.add_argument("--text-field", default="text", help="field holding the text in --data records")
+    add_eval_data_flag(p)
     p.add_argument(
         "--packing",
         choices=PACKINGS,
@@ -249,6 +251,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _check_monitor(ds_config, args.ds_config, args.output_dir)
     args.section, args.ds_config_dict, args.tokenizer = section, ds_config, tokenizer
     args.data_tokens = _data_tokens(args, tokenizer) if training and args.data is not None else None
+    args.eval_tokens = check_eval_data(args, tokenizer, parser) if training else None
     return args
 
 

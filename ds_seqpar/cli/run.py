@@ -31,8 +31,9 @@ import torch
 from ds_seqpar.checkpoint_resume import CLIENT_KEY, SampleHistory
 from ds_seqpar.cli.args import DEFAULT_TASK_LR, PASSKEYS, model_config, parse_args
 from ds_seqpar.cli.data import batches, datasets
-from ds_seqpar.cli.evaluation import EvenShares, evaluate
+from ds_seqpar.cli.evaluation import evaluate, evaluate_heldout
 from ds_seqpar.cli.health import StepHealth
+from ds_seqpar.cli.heldout import heldout_dataset
 from ds_seqpar.cli.log import RunLog, memory_metrics, sparse_metrics
 from ds_seqpar.cli.run_dir import check_output_dir, training_flags
 
@@ -60,6 +61,7 @@ class _Run:
     rank: int
     world: int
     flags: dict[str, Any]  # training_flags: what a resume must keep (and the lr it honours)
+    heldout_loader: Any = None  # --eval-data's batches (cli/heldout.py), None without it
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -74,9 +76,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     run = _start(args)
     log = RunLog(args, run.rank, run.start, run.engine)
     _announce(args, run, log)
-    first = evaluate(run.engine, run.eval_loader, run.mesh)
+    first = _evaluations(run)
     log.record({"step": run.start, **first})
-    log.say(f"step {run.start}: eval loss {first['eval_loss']:.4f}, accuracy {first['eval_accuracy']:.3f}")
+    log.say(_eval_line(run.start, first))
     step, last = _train(args, run, log, first)
     if not run.health.healthy:  # the run ended inside a bad streak: neither saved nor exported
         raise run.health.diverged()
@@ -142,15 +144,40 @@ def _start(args: argparse.Namespace) -> _Run:
             objective=engine.module.objective,
         )  # fmt: skip
 
-    eval_loader = loader_for(EvenShares(eval_set, mesh.dp_size), shuffle=False, drop_last=False)
+    eval_loader = _eval_loader(eval_set, mesh, micro, pad, engine.module.objective)
     watch = StepWatch()  # a failed, dead or hung rank is named with its step instead of a bare comm error
     flags = {**training_flags(args, ds_config.get("scheduler")), "lr": _configured_lr(ds_config, lr)}
     run = _Run(engine, mesh, model, tokenizer, train_sets, eval_loader, loader_for, watch,
                StepHealth(args.max_bad_steps, _lr_of(engine)), out_dir / "checkpoints", 0,
                SampleHistory.fresh(micro * dp), dp, micro, rank, dist.get_world_size(), flags)  # fmt: skip
+    heldout = heldout_dataset(args, tokenizer)
+    if heldout is not None:
+        run.heldout_loader = _eval_loader(heldout, mesh, micro, pad, engine.module.objective)
     if resume is not None:
         _load(args, run, resume, tokenizer)
     return run
+
+
+def _eval_loader(dataset: Any, mesh: Any, micro: int, pad: int, objective: str) -> Any:
+    """Evaluation batches: each sample once over the dp replicas, the same count on every rank."""
+    from ds_seqpar.evaluation import EvenShares
+
+    return EvenShares(dataset, mesh, micro, pad_token_id=pad, objective=objective)
+
+
+def _evaluations(run: _Run) -> dict[str, float]:
+    """The held-out split's eval loss and accuracy, and --eval-data's loss and perplexity (with it)."""
+    metrics = evaluate(run.engine, run.eval_loader, run.mesh)
+    if run.heldout_loader is not None:
+        metrics.update(evaluate_heldout(run.engine, run.heldout_loader, run.mesh))
+    return metrics
+
+
+def _eval_line(step: int, metrics: dict[str, float]) -> str:
+    line = f"step {step}: eval loss {metrics['eval_loss']:.4f}, accuracy {metrics['eval_accuracy']:.3f}"
+    if "heldout_loss" in metrics:
+        line += f" | held-out loss {metrics['heldout_loss']:.4f}, ppl {metrics['heldout_ppl']:.3f}"
+    return line
 
 
 def _configured_lr(ds_config: dict[str, Any], lr: float | None) -> float | None:
@@ -299,12 +326,10 @@ def _train(args: argparse.Namespace, run: _Run, log: RunLog, first: dict[str, fl
             ):
                 _save(run, step)
             if (args.eval_every and step % args.eval_every == 0) or step == args.max_steps:
-                last = evaluate(run.engine, run.eval_loader, run.mesh)
+                last = _evaluations(run)
                 log.record({"step": step, **last})
                 run.health.check_eval(step, last)
-                log.say(
-                    f"step {step}: eval loss {last['eval_loss']:.4f}, accuracy {last['eval_accuracy']:.3f}"
-                )
+                log.say(_eval_line(step, last))
         phase_start = phase_end
     return step, last
 

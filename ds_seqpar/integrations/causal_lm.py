@@ -411,19 +411,36 @@ class SeqParCausalLM(torch.nn.Module):
         return self._token_accuracy(self._hidden(input_ids, position_ids, doc_ids), targets)
 
     def _token_accuracy(self, hidden: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Loss, correct and count over the labelled ``targets [B, n]`` of the SP group, from ``hidden [B, n, E]``."""
-        labelled = targets != -100
-        logits = self._parts.logits(hidden[labelled][None])[0].float()  # [T, V], T labelled tokens
-        targets = targets[labelled]
-        totals = torch.stack(
-            [
-                torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
-                if targets.numel()
-                else logits.sum(),
-                (logits.argmax(-1) == targets).sum().float(),
-                torch.tensor(float(targets.numel()), device=logits.device),
-            ]
-        )
+        """Loss, correct and count over the labelled ``targets [B, n]`` of the SP group, from ``hidden [B, n, E]``.
+
+        The B x n tokens are taken ``loss_chunk_size`` at a time (as the training loss, ``ds_seqpar.loss``);
+        logits ``[c, V]`` fp32 are computed for the labelled tokens of one chunk only, so evaluation never
+        holds more logits than a training step's forward. Each rank calls the logits
+        ``ceil(B x n / loss_chunk_size)`` times (an empty chunk too); under ZeRO-3, which gathers the head's
+        parameters in each call, the ranks of the ZeRO group first agree on the largest count (one
+        all-reduce of 1 number over ``sp_dp``, as the tiled MLP's tiles). Communicates one all-reduce of
+        3 numbers over the SP group.
+        """
+        flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [B n, E]
+        flat_targets = targets.reshape(-1)
+        totals = torch.zeros(3, dtype=torch.float32, device=hidden.device)
+        chunk = max(1, int(self.loss_chunk_size))
+        calls = torch.tensor([-(-max(flat_targets.numel(), 1) // chunk)], device=hidden.device)
+        zero3 = any(hasattr(p, "ds_id") for p in itertools.islice(self._parts.decoder.parameters(), 1))
+        if zero3 and self.mesh.plan.world_size > 1:
+            torch.distributed.all_reduce(
+                calls, op=torch.distributed.ReduceOp.MAX, group=self.mesh.group("sp_dp")
+            )
+        for start in range(0, int(calls) * chunk, chunk):
+            y = flat_targets[start : start + chunk]
+            labelled = y != -100
+            y = y[labelled]
+            h = flat_hidden[start : start + chunk][labelled]  # [c, E], c labelled tokens of the chunk
+            logits = self._parts.logits(h[None])[0].float()  # [c, V]
+            if y.numel():
+                totals[0] += torch.nn.functional.cross_entropy(logits, y, reduction="sum")
+                totals[1] += (logits.argmax(-1) == y).sum()
+                totals[2] += y.numel()
         group = self.mesh.group("sp")
         if self.mesh.sp_size > 1:
             torch.distributed.all_reduce(totals, group=group)

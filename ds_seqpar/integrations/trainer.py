@@ -25,7 +25,9 @@ TRL's ``SFTTrainer`` prepares its data, collator and arguments first):
 * ``train``: runs inside ``sequence_parallel_scope(mesh)``, so accelerate's ``deepspeed.initialize``
   gets ds_seqpar's mpu and a config with ``sequence_parallel_size`` and a dp-based ``train_batch_size``;
   every training step runs under ``StepWatch`` (a failing, dead or hung rank is named with its step);
-* saving writes the HF model (``save_pretrained``), not the wrapper.
+* saving writes the HF model (``save_pretrained``), not the wrapper;
+* evaluation (``trainer.evaluate()``, ``eval_strategy``): sharded over the SP ranks and the dp replicas,
+  token-weighted ``eval_loss`` and ``eval_accuracy`` (``trainer_eval.py``).
 
 On CPU pass ``use_cpu=True`` to ``TrainingArguments`` and initialise torch.distributed before creating
 them (``ds_seqpar.integrations.deepspeed.init_distributed()``), as for any DeepSpeed Trainer run there.
@@ -50,6 +52,7 @@ from ds_seqpar.config import SECTION, SequenceParallelConfig, load_config, with_
 from ds_seqpar.data import seqpar_dataloader
 from ds_seqpar.errors import SeqParConfigError
 from ds_seqpar.integrations.deepspeed import init_distributed, sequence_parallel_scope, wrap_for_training
+from ds_seqpar.integrations.trainer_eval import SeqParEvaluationMixin, refuse_unhonoured_evaluation
 from ds_seqpar.mesh import SeqParMesh
 
 # DeepSpeed keys that TrainingArguments also sets (transformers' HfTrainerDeepSpeedConfig checks them).
@@ -268,16 +271,11 @@ def _refuse_unhonoured_arguments(args: Any, eval_dataset: Any) -> None:
         problems.append(
             f"train_sampling_strategy={sampling!r} (the sampler splits samples over dp in a seeded random order)"
         )
-    strategy = str(getattr(args, "eval_strategy", "no")).split(".")[-1].lower()
-    if eval_dataset is not None and strategy != "no":
-        problems.append(
-            f"eval_strategy={strategy!r} with an eval_dataset (evaluation batches are not sharded yet)"
-        )
     if problems:
         raise SeqParConfigError(
             "TrainingArguments the sequence-parallel trainer does not honour: "
             + "; ".join(problems)
-            + "; valid: train_sampling_strategy='random', eval_strategy='no' (evaluate the saved model separately)"
+            + "; valid: train_sampling_strategy='random'"
         )
 
 
@@ -285,7 +283,9 @@ def trainer_argument(trainer: Any, name: str, trainer_args: tuple, trainer_kwarg
     """The value of the base trainer's ``__init__`` argument ``name`` in this call (positional or keyword)."""
     if name in trainer_kwargs:
         return trainer_kwargs[name]
-    base = next(c for c in type(trainer).__mro__ if not issubclass(c, SeqParTrainerMixin))
+    base = next(
+        c for c in type(trainer).__mro__ if issubclass(c, Trainer) and not issubclass(c, SeqParTrainerMixin)
+    )
     params = [p for p in inspect.signature(base.__init__).parameters.values() if p.name != "self"]
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     index = positional.index(name) if name in positional else len(trainer_args)
@@ -301,7 +301,7 @@ def _model_config(model: Any) -> Any:
     return getattr(model, "config", None)
 
 
-class SeqParTrainerMixin:
+class SeqParTrainerMixin(SeqParEvaluationMixin):
     """The sequence-parallel behaviour of :class:`SeqParTrainer`, for any ``transformers.Trainer`` subclass.
 
     Args (on top of the base trainer's):
@@ -341,6 +341,8 @@ class SeqParTrainerMixin:
             super().__init__(*trainer_args, **trainer_kwargs)
         section, ds_config, notices = reconcile_training_arguments(self.args)
         _refuse_unhonoured_arguments(self.args, self.eval_dataset)
+        if self.eval_dataset is not None:  # evaluation: trainer_eval.py
+            refuse_unhonoured_evaluation(self)
         self._train_batch_size = self.args.train_batch_size  # the base read it before the JSON's micro batch
         if dist.get_rank() == 0:
             for line in notices:
@@ -380,12 +382,6 @@ class SeqParTrainerMixin:
             drop_last=args.dataloader_drop_last,
             objective=self.seqpar_objective,
             **workers,
-        )
-
-    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
-        raise SeqParConfigError(
-            f"{type(self).__name__} does not shard evaluation batches yet; valid: eval_strategy='no' and no "
-            "trainer.evaluate(), and evaluate the saved model (save_model) without sequence parallelism"
         )
 
     def get_total_train_batch_size(self, args: Any) -> int:
