@@ -48,6 +48,7 @@ from ds_seqpar.config import SECTION, SequenceParallelConfig, load_config, with_
 from ds_seqpar.data import seqpar_dataloader
 from ds_seqpar.errors import SeqParConfigError
 from ds_seqpar.integrations.deepspeed import init_distributed, sequence_parallel_scope, wrap_for_training
+from ds_seqpar.integrations.parallelism_config import TrainerSizes, trainer_parallelism
 from ds_seqpar.mesh import SeqParMesh
 
 # DeepSpeed keys that TrainingArguments also sets (transformers' HfTrainerDeepSpeedConfig checks them).
@@ -279,7 +280,7 @@ def _refuse_unhonoured_arguments(args: Any, eval_dataset: Any) -> None:
         )
 
 
-class SeqParTrainerMixin:
+class SeqParTrainerMixin(TrainerSizes):
     """The sequence-parallel behaviour of :class:`SeqParTrainer`, for any ``transformers.Trainer`` subclass.
 
     Args (on top of the base trainer's):
@@ -301,9 +302,11 @@ class SeqParTrainerMixin:
                 f"{type(self).__name__} needs TrainingArguments(deepspeed=<config with a 'sequence_parallel' "
                 "section>), e.g. deepspeed='ds_configs/usp_zero3.json'"
             )
-        # the section's fault_timeout_s bounds every collective (an existing process group keeps its own)
-        init_distributed(load_config(_raw_config(args.deepspeed))[0].fault_timeout_s)
-        super().__init__(*trainer_args, **trainer_kwargs)
+        # HF's ParallelismConfig may state the SP size; the base Trainer's Accelerator never sees it
+        with trainer_parallelism(args) as section:  # (integrations/parallelism_config.py)
+            # the section's fault_timeout_s bounds every collective (an existing process group keeps its own)
+            init_distributed(section.fault_timeout_s)
+            super().__init__(*trainer_args, **trainer_kwargs)
         section, ds_config, notices = reconcile_training_arguments(self.args)
         _refuse_unhonoured_arguments(self.args, self.eval_dataset)
         self._train_batch_size = self.args.train_batch_size  # the base read it before the JSON's micro batch
