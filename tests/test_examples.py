@@ -124,11 +124,13 @@ def guide_losses(out_dir: str) -> dict:
     import json
 
     import transformers
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     import ds_seqpar
 
     common = load_example("common")
     seq = ["--seq-len", "128", "--output-dir", out_dir]
+    unset_hf_deepspeed_config()  # after another test's ZeRO-3 Trainer, models would be drawn under zero.Init
     dataset = common.passkey_dataset(common.load_tokenizer(None), 128, 0)
     engine, _, loader, _ = ds_seqpar.initialize(
         model=common.load_model(None, 0), config=str(common.DEFAULT_CONFIG), training_data=dataset, seed=0
