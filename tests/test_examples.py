@@ -237,7 +237,9 @@ def _launch_losses(done, marker: str) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("name", ["trainer", "sft_trl", "lora"])
+@pytest.mark.parametrize(
+    "name", ["trainer", "sft_trl", "lora", pytest.param("hf_ulysses_guide", marks=pytest.mark.slow)]
+)
 def test_example_runs_under_torchrun(tmp_path, name):
     cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "4", f"examples/{name}.py",
            "--ds_config", "ds_configs/usp_zero3.json", "--max-steps", "2", "--output-dir", str(tmp_path)]  # fmt: skip
