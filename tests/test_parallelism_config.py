@@ -178,3 +178,23 @@ def test_a_plain_trainer_with_the_section_is_refused_naming_the_fix(tmp_path):
     args = _trainer_args(tmp_path, _pc(sp_size=4))
     with pytest.raises(SeqParConfigError, match=r"valid: ds_seqpar.SeqParTrainer instead of Trainer"):
         args.hf_deepspeed_config.trainer_config_finalize(args, None, 1)
+
+
+def test_arguments_reused_by_a_second_trainer_resolve_the_same(tmp_path):
+    """The first ds_seqpar trainer takes the section out of ``args.hf_deepspeed_config``; a second one on the
+    same arguments resolves the user's config again, and the base Trainer never sees
+    the ParallelismConfig."""
+    from ds_seqpar.integrations.parallelism_config import trainer_parallelism
+
+    config = copy.deepcopy(SHIPPED)
+    config["sequence_parallel"]["size"] = "auto"
+    pc = _pc(sp_size=1)  # one process: sp_size 1 states nothing, so the section's "auto" takes the world (1)
+    args = TrainingArguments(output_dir=str(tmp_path), deepspeed=config, parallelism_config=pc, use_cpu=True)
+    with trainer_parallelism(args) as first:
+        assert args.parallelism_config is None
+    assert args.parallelism_config is pc and first.size == 1
+    args.hf_deepspeed_config.config.pop(
+        "sequence_parallel"
+    )  # what SeqParTrainerMixin does after the base init
+    with trainer_parallelism(args) as second:
+        assert second == first

@@ -16,6 +16,7 @@ Nothing here communicates.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -164,6 +165,14 @@ def _env_switch_off() -> Iterator[None]:
             os.environ[ENV_SWITCH] = saved
 
 
+def _user_config(deepspeed: Any) -> dict[str, Any]:
+    """``TrainingArguments.deepspeed`` as the user gave it (a dict, or the JSON file's contents)."""
+    if isinstance(deepspeed, dict):
+        return deepspeed
+    with open(deepspeed, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
 @contextlib.contextmanager
 def trainer_parallelism(args: Any) -> Iterator[SequenceParallelConfig]:
     """Around the base ``Trainer.__init__``: yields the section to train with (parsed, before any collective).
@@ -174,14 +183,16 @@ def trainer_parallelism(args: Any) -> Iterator[SequenceParallelConfig]:
     gets no SP of its own; afterwards ``args.parallelism_config`` is the user's object again.
     """
     config = args.hf_deepspeed_config.config
-    if SECTION not in config:
-        raise SeqParConfigError(
-            f"the DeepSpeed config has no '{SECTION}' section; valid: add "
-            f'"{SECTION}": {{"size": "auto"}} (see docs/configuration.md)'
-        )
+    source = (
+        config if SECTION in config else _user_config(args.deepspeed)
+    )  # taken by an earlier ds_seqpar trainer
     pc = args.parallelism_config if args.parallelism_config is not None else launch_parallelism_config()
-    config[SECTION] = section_with_parallelism(config[SECTION], pc)
-    section = load_config(config)[0]  # also checks every DeepSpeed key, before any process group
+    if SECTION in source:
+        resolved = section_with_parallelism(source[SECTION], pc)
+        source = {**source, SECTION: resolved}
+        if SECTION in config:
+            config[SECTION] = resolved
+    section = load_config(source)[0]  # also checks every DeepSpeed key, before any process group
     saved = args.parallelism_config
     args.parallelism_config = None
     try:
