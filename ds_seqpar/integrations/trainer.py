@@ -18,6 +18,9 @@ TRL's ``SFTTrainer`` prepares its data, collator and arguments first):
   sees it; values that both the JSON and ``TrainingArguments`` own (learning rate, betas, eps,
   weight decay, clipping, micro batch, accumulation, precision) are reconciled by
   :func:`reconcile_training_arguments`;
+* **HF's** ``ParallelismConfig`` (``args.parallelism_config``, ``sp_backend="deepspeed"``, ``sp_size=N``)
+  states the SP size; the base Trainer's Accelerator never sees it, so no ALST runs
+  (``integrations/parallelism_config.py``);
 * builds the ``SeqParMesh``, switches the model's attention to ds_seqpar and trains
   ``SeqParCausalLM(model)`` (SP-group loss, chunked logits) with the gradient factor of the ZeRO stage;
 * ``get_train_dataloader``: the sharding DataLoader (samples split over dp only; each batch padded,
