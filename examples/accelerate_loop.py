@@ -5,7 +5,8 @@
 
 (on CPU set ``OMP_NUM_THREADS=1`` and do not pass ``--cpu``: accelerate refuses it with ``--use_deepspeed``). The ``"sequence_parallel"`` section of the JSON
 that accelerate's plugin carries configures ds_seqpar; ``ds_seqpar.accelerate_prepare`` replaces
-``accelerator.prepare``. Leave accelerate's own ``ParallelismConfig`` SP/CP sizes unset.
+``accelerator.prepare``. accelerate's own ``ParallelismConfig`` may state the SP size (``sp_size``;
+see docs/integration.md); its CP / TP sizes must stay unset.
 """
 
 from __future__ import annotations

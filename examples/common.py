@@ -79,13 +79,23 @@ def trainer_arguments(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-def start_distributed(config_path: str) -> None:
+def start_distributed(config_path: str, parallelism_config: object = None) -> None:
     """torch.distributed for the run (gloo on CPU, NCCL on GPU), with the config's ``fault_timeout_s``.
 
     On CPU it must exist before ``TrainingArguments`` / ``Accelerator`` are created, which would
-    otherwise start a process group of their own (with their own timeout).
+    otherwise start a process group of their own (with their own timeout). ``parallelism_config``: HF's
+    ``ParallelismConfig``, which may state the section's size.
     """
+    import json
+
     import ds_seqpar
     from ds_seqpar.integrations.deepspeed import init_distributed
+    from ds_seqpar.integrations.parallelism_config import section_with_parallelism
 
-    init_distributed(ds_seqpar.load_config(config_path)[0].fault_timeout_s)
+    with open(config_path, encoding="utf-8") as fh:
+        config = json.load(fh)
+    if "sequence_parallel" in config:
+        config["sequence_parallel"] = section_with_parallelism(
+            config["sequence_parallel"], parallelism_config
+        )
+    init_distributed(ds_seqpar.load_config(config)[0].fault_timeout_s)

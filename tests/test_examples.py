@@ -11,7 +11,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -66,6 +66,112 @@ def test_trainer_example_first_loss_equals_initialize(dist_pool, tmp_path):
             trainer_loss,
             initialize_loss,
         )
+
+
+def _guide_trainer_loss(argv: list[str]) -> tuple[float, dict]:
+    """examples/hf_ulysses_guide.py for one step: its loss and what the Trainer reports about its sizes."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # a model built after a ZeRO-3 run would be drawn under zero.Init
+    trainer = load_example("hf_ulysses_guide").build(["--max-steps", "1", *argv])
+    sizes = {
+        "args_sp_size": trainer.args.parallelism_config.sp_size,  # the user's object, readable
+        "accelerator_pc": trainer.accelerator.parallelism_config,  # accelerate runs no ALST
+        "get_sp_size": trainer.get_sp_size(),
+        "total_batch": trainer.get_total_train_batch_size(trainer.args),
+    }
+    trainer.train()
+    sizes["epoch"] = trainer.state.epoch  # steps per epoch = len(loader) over dp, not x SP
+    return trainer.state.log_history[0]["loss"], sizes
+
+
+def _accelerate_loss(config: str, seq_len: int) -> tuple[float, int]:
+    """``accelerate_prepare`` with ``Accelerator(parallelism_config=ParallelismConfig(sp_size=4))``."""
+    import json
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin, ParallelismConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    import ds_seqpar
+
+    common = load_example("common")
+    unset_hf_deepspeed_config()
+    model = common.load_model(None, 0)
+    dataset = common.passkey_dataset(common.load_tokenizer(None), seq_len, 0)
+    AcceleratorState._reset_state(True)
+    with open(ROOT / config, encoding="utf-8") as fh:
+        ds_config = json.load(fh)
+    del ds_config["sequence_parallel"]["size"]  # stated by sp_size instead
+    pc = ParallelismConfig(sp_backend="deepspeed", sp_size=4)
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    try:
+        accelerator = Accelerator(
+            deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config), parallelism_config=pc
+        )
+        engine, _, loader = ds_seqpar.accelerate_prepare(accelerator, model, train_dataset=dataset, seed=0)
+        loss = engine(**next(iter(loader))).item()
+        return loss, accelerator.parallelism_config.sp_size  # the user's config again after prepare
+    finally:
+        os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+        AcceleratorState._reset_state(True)
+
+
+def guide_losses(out_dir: str) -> dict:
+    """The first loss of ds_seqpar.initialize, of the HF-guide script (the section's size equal to sp_size,
+    and absent), of accelerate_prepare with sp_size, and what a plain Trainer with the section raises."""
+    import json
+
+    import transformers
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    import ds_seqpar
+
+    common = load_example("common")
+    seq = ["--seq-len", "128", "--output-dir", out_dir]
+    unset_hf_deepspeed_config()  # after another test's ZeRO-3 Trainer, models would be drawn under zero.Init
+    dataset = common.passkey_dataset(common.load_tokenizer(None), 128, 0)
+    engine, _, loader, _ = ds_seqpar.initialize(
+        model=common.load_model(None, 0), config=str(common.DEFAULT_CONFIG), training_data=dataset, seed=0
+    )
+    out = {"initialize": engine(**next(iter(loader))).item()}
+    out["guide"] = _guide_trainer_loss(seq)
+    no_size = json.loads(common.DEFAULT_CONFIG.read_text())
+    del no_size["sequence_parallel"]["size"]
+    path = f"{out_dir}/no_size_{dist.get_rank()}.json"
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(no_size, fh)
+    out["guide_no_size"] = _guide_trainer_loss(["--ds_config", path, *seq])[0]
+    out["accelerate"] = _accelerate_loss(str(common.DEFAULT_CONFIG.relative_to(ROOT)), 128)
+    script = load_example("hf_ulysses_guide")
+    script.ds_seqpar = SimpleNamespace(SeqParTrainer=transformers.Trainer)  # the guide's own Trainer
+    try:
+        script.main(["--max-steps", "1", *seq])
+        out["plain"] = "trained"
+    except ds_seqpar.SeqParConfigError as exc:
+        out["plain"] = str(exc)
+    return out
+
+
+def test_hf_guide_script_first_loss_equals_initialize(dist_pool, tmp_path):
+    """HF's Ulysses-guide form (ParallelismConfig(sp_backend="deepspeed", sp_size=4) on TrainingArguments)
+    with SeqParTrainer: the first loss equals ds_seqpar.initialize's, with the section's size equal to sp_size
+    or taken from it; accelerate_prepare takes sp_size too; a plain Trainer is refused naming the fix."""
+    for res in dist_pool(4).run(guide_losses, str(tmp_path), timeout=600):
+        reference = res["initialize"]
+        loss, sizes = res["guide"]
+        for got in (loss, res["guide_no_size"], res["accelerate"][0]):
+            assert abs(got - reference) <= 1e-6 * abs(reference), (got, reference)
+        assert sizes == {
+            "args_sp_size": 4,
+            "accelerator_pc": None,
+            "get_sp_size": 4,
+            "total_batch": 1,
+            "epoch": 1 / 64,
+        }, sizes
+        assert res["accelerate"][1] == 4
+        assert "ds_seqpar.SeqParTrainer instead of Trainer" in res["plain"], res["plain"]
 
 
 def sweep(name: str, configs: list[str], out_dir: str) -> dict[str, list[float]]:
@@ -131,7 +237,9 @@ def _launch_losses(done, marker: str) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("name", ["trainer", "sft_trl", "lora"])
+@pytest.mark.parametrize(
+    "name", ["trainer", "sft_trl", "lora", pytest.param("hf_ulysses_guide", marks=pytest.mark.slow)]
+)
 def test_example_runs_under_torchrun(tmp_path, name):
     cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "4", f"examples/{name}.py",
            "--ds_config", "ds_configs/usp_zero3.json", "--max-steps", "2", "--output-dir", str(tmp_path)]  # fmt: skip

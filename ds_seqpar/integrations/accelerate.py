@@ -11,9 +11,10 @@
 
 The ``"sequence_parallel"`` section lives in the DeepSpeed JSON that accelerate's plugin carries. It is
 validated and resolved by ds_seqpar and removed from the plugin's config before ``accelerator.prepare``,
-so accelerate's own ``"auto"`` handling never sees it. accelerate's ``ParallelismConfig`` SP/CP
-(``parallelism_config_sp_size`` / ``cp_size``, which select DeepSpeed's ALST Ulysses or torch's
-context parallel) must stay off: two sequence splits of one model cannot both hold, so it is an error.
+so accelerate's own ``"auto"`` handling never sees it. accelerate's ``ParallelismConfig``
+(``Accelerator(parallelism_config=...)`` or ``parallelism_config_*`` launch settings) may state the SP size
+with ``sp_size=N, sp_backend="deepspeed"``; the section still chooses the algorithm, and accelerate runs no
+ALST Ulysses of its own next to it (``integrations/parallelism_config.py``: what is accepted and refused).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ds_seqpar.integrations.deepspeed import (
     sharding_loader,
     wrap_for_training,
 )
+from ds_seqpar.integrations.parallelism_config import accelerate_parallelism, section_with_parallelism
 from ds_seqpar.mesh import SeqParMesh
 
 
@@ -41,15 +43,6 @@ def _deepspeed_config(accelerator: Any) -> dict[str, Any]:
             f"'{SECTION}' section; valid: accelerate launch --use_deepspeed --deepspeed_config_file "
             "ds_configs/usp_zero3.json ..., or Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=PATH))"
         )
-    parallelism = getattr(accelerator, "parallelism_config", None)
-    for name in ("sp_size", "cp_size"):
-        size = getattr(parallelism, name, 1) if parallelism is not None else 1
-        if size and size > 1:
-            raise SeqParConfigError(
-                f"accelerate's ParallelismConfig has {name}={size}, a second sequence split next to ds_seqpar's "
-                f"'{SECTION}' section; valid: leave parallelism_config_{name} unset (1) and configure sequence "
-                f"parallelism in the '{SECTION}' section only"
-            )
     return plugin.hf_ds_config.config
 
 
@@ -104,6 +97,10 @@ def accelerate_prepare(
     sharded batch and returns the SP-group loss.
     """
     config = _deepspeed_config(accelerator)
+    if SECTION in config:  # HF's ParallelismConfig may state the SP size (integrations/parallelism_config.py)
+        config[SECTION] = section_with_parallelism(
+            config[SECTION], getattr(accelerator, "parallelism_config", None)
+        )
     section, ds_config = load_config(config)
     if not section.enabled:
         raise SeqParConfigError(
@@ -123,7 +120,7 @@ def accelerate_prepare(
         from accelerate.utils import DummyOptim
 
         optimizer = DummyOptim(wrapped.parameters())
-    with sequence_parallel_scope(mesh):
+    with sequence_parallel_scope(mesh), accelerate_parallelism(accelerator):  # no ALST next to ds_seqpar
         engine, optimizer = accelerator.prepare(wrapped, optimizer)
     engine.seqpar_mesh = mesh
     return (

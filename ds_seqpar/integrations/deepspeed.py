@@ -40,6 +40,7 @@ from ds_seqpar.config import SECTION, SeqParConfigError, load_config
 from ds_seqpar.data import seqpar_dataloader
 from ds_seqpar.integrations.causal_lm import SeqParCausalLM, SeqParMaskedLM
 from ds_seqpar.integrations.hf_model import objective_of, unwrap_hf_model
+from ds_seqpar.integrations.parallelism_config import install_trainer_guard
 from ds_seqpar.loss import sp_grad_scale
 from ds_seqpar.mesh import SeqParMesh, group_timeout_s
 
@@ -276,8 +277,9 @@ def _guarded(initialize_fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install_deepspeed_guard() -> None:
-    """Make plain ``deepspeed.initialize`` refuse configs with a ``sequence_parallel`` section (idempotent)."""
+    """Make plain ``deepspeed.initialize`` (and a plain HF Trainer) refuse configs with a ``sequence_parallel`` section (idempotent)."""
     import deepspeed
 
     if not getattr(deepspeed.initialize, "_ds_seqpar_guard", False):
         deepspeed.initialize = _guarded(deepspeed.initialize)
+    install_trainer_guard()  # and a plain transformers.Trainer, which reaches it after its own checks

@@ -18,6 +18,9 @@ TRL's ``SFTTrainer`` prepares its data, collator and arguments first):
   sees it; values that both the JSON and ``TrainingArguments`` own (learning rate, betas, eps,
   weight decay, clipping, micro batch, accumulation, precision) are reconciled by
   :func:`reconcile_training_arguments`;
+* **HF's** ``ParallelismConfig`` (``args.parallelism_config``, ``sp_backend="deepspeed"``, ``sp_size=N``)
+  states the SP size; the base Trainer's Accelerator never sees it, so no ALST runs
+  (``integrations/parallelism_config.py``);
 * builds the ``SeqParMesh``, switches the model's attention to ds_seqpar and trains
   ``SeqParCausalLM(model)`` (SP-group loss, chunked logits) with the gradient factor of the ZeRO stage;
 * ``get_train_dataloader``: the sharding DataLoader (samples split over dp only; each batch padded,
@@ -52,6 +55,7 @@ from ds_seqpar.config import SECTION, SequenceParallelConfig, load_config, with_
 from ds_seqpar.data import seqpar_dataloader
 from ds_seqpar.errors import SeqParConfigError
 from ds_seqpar.integrations.deepspeed import init_distributed, sequence_parallel_scope, wrap_for_training
+from ds_seqpar.integrations.parallelism_config import TrainerSizes, trainer_parallelism
 from ds_seqpar.integrations.trainer_eval import SeqParEvaluationMixin, refuse_unhonoured_evaluation
 from ds_seqpar.mesh import SeqParMesh
 
@@ -301,7 +305,7 @@ def _model_config(model: Any) -> Any:
     return getattr(model, "config", None)
 
 
-class SeqParTrainerMixin(SeqParEvaluationMixin):
+class SeqParTrainerMixin(TrainerSizes, SeqParEvaluationMixin):
     """The sequence-parallel behaviour of :class:`SeqParTrainer`, for any ``transformers.Trainer`` subclass.
 
     Args (on top of the base trainer's):
@@ -331,14 +335,14 @@ class SeqParTrainerMixin(SeqParEvaluationMixin):
                 f"{type(self).__name__} needs TrainingArguments(deepspeed=<config with a 'sequence_parallel' "
                 "section>), e.g. deepspeed='ds_configs/usp_zero3.json'"
             )
-        first = load_config(_raw_config(args.deepspeed))[0]
-        # the section's fault_timeout_s bounds every collective (an existing process group keeps its own)
-        init_distributed(first.fault_timeout_s)
-        mesh = SeqParMesh.from_config(
-            first, _model_config(trainer_argument(self, "model", trainer_args, trainer_kwargs))
-        )
-        with sequence_parallel_scope(mesh):
-            super().__init__(*trainer_args, **trainer_kwargs)
+        # HF's ParallelismConfig may state the SP size; the base Trainer's Accelerator never sees it
+        with trainer_parallelism(args) as first:  # (integrations/parallelism_config.py)
+            # the section's fault_timeout_s bounds every collective (an existing process group keeps its own)
+            init_distributed(first.fault_timeout_s)
+            model_config = _model_config(trainer_argument(self, "model", trainer_args, trainer_kwargs))
+            mesh = SeqParMesh.from_config(first, model_config)
+            with sequence_parallel_scope(mesh):
+                super().__init__(*trainer_args, **trainer_kwargs)
         section, ds_config, notices = reconcile_training_arguments(self.args)
         _refuse_unhonoured_arguments(self.args, self.eval_dataset)
         if self.eval_dataset is not None:  # evaluation: trainer_eval.py
