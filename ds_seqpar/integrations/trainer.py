@@ -345,7 +345,7 @@ class SeqParTrainerMixin(TrainerSizes, SeqParEvaluationMixin):
                 super().__init__(*trainer_args, **trainer_kwargs)
         section, ds_config, notices = reconcile_training_arguments(self.args)
         _refuse_unhonoured_arguments(self.args, self.eval_dataset)
-        if self.eval_dataset is not None:  # evaluation: trainer_eval.py
+        if self.eval_dataset is not None and self.seqpar_owns_loss:  # evaluation: trainer_eval.py
             refuse_unhonoured_evaluation(self)
         self._train_batch_size = self.args.train_batch_size  # the base read it before the JSON's micro batch
         if dist.get_rank() == 0:
@@ -456,15 +456,11 @@ def _mixin_for(trainer_class: type) -> type:
         if found is not None:
             module, _, attribute = found.partition(":")
             return getattr(importlib.import_module(module), attribute)
-    trl = [
-        c.__name__
-        for c in trainer_class.__mro__
-        if c.__module__.startswith("trl.") and c.__name__.endswith("Trainer")
-    ]
-    if trl and trl[-1] not in PLAIN_TRL_TRAINERS:
+    trl = [c.__name__ for c in trainer_class.__mro__ if c.__module__.startswith("trl.")]  # most derived first
+    if trl and not set(trl) & set(PLAIN_TRL_TRAINERS):
         supported = sorted({*PLAIN_TRL_TRAINERS, *(n for m, n in TRAINER_MIXINS if m.startswith("trl."))})
         raise SeqParConfigError(
-            f"with_sequence_parallel({trainer_class.__name__}): TRL's {trl[-1]} is not supported under sequence "
+            f"with_sequence_parallel({trainer_class.__name__}): TRL's {trl[0]} is not supported under sequence "
             f"parallelism (its data, generation or loss would not be split over the SP group); valid: "
             f"{', '.join(supported)}"
         )

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from ds_seqpar.config import SeqParConfigError
 from ds_seqpar.integrations.fused_head import SeqParFusedLM
 from ds_seqpar.integrations.trainer import SeqParTrainerMixin, trainer_argument
+from ds_seqpar.integrations.trainer_eval import SeqParEvaluationMixin
 from ds_seqpar.mesh import SeqParMesh
 
 __all__ = ["DPOSeqParMixin", "GRPOSeqParMixin", "data_parallel_view", "dp_collectives"]
@@ -187,18 +188,22 @@ class TRLSeqParMixin(SeqParTrainerMixin):
             self.ref_model.pad_token_id = self.seqpar_pad_token_id
             self.ref_model.fused_outputs = ("log_probs",)
 
-    # TRL's own data (whole rows on every rank of the group, split over dp by the view) and loss
+    # TRL's own data (whole rows on every rank of the group, split over dp by the view), loss and evaluation:
+    # the base trainer's methods, past SeqParTrainerMixin's sharding loader and SeqParEvaluationMixin's loop
     def get_train_dataloader(self) -> Any:
-        return super(SeqParTrainerMixin, self).get_train_dataloader()
+        return super(SeqParEvaluationMixin, self).get_train_dataloader()
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
-        return super(SeqParTrainerMixin, self).get_eval_dataloader(eval_dataset)
+        return super(SeqParEvaluationMixin, self).get_eval_dataloader(eval_dataset)
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        return super(SeqParEvaluationMixin, self).evaluation_loop(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        return super(SeqParEvaluationMixin, self).predict(*args, **kwargs)
 
     def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
-        return super(SeqParTrainerMixin, self).compute_loss(*args, **kwargs)
-
-    def get_total_train_batch_size(self, args: Any) -> int:
-        return super(SeqParTrainerMixin, self).get_total_train_batch_size(args)
+        return super(SeqParEvaluationMixin, self).compute_loss(*args, **kwargs)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         with dp_collectives(type(self), self.seqpar_mesh):
@@ -206,7 +211,7 @@ class TRLSeqParMixin(SeqParTrainerMixin):
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         with dp_collectives(type(self), self.seqpar_mesh):
-            return super().evaluate(*args, **kwargs)
+            return super(SeqParEvaluationMixin, self).evaluate(*args, **kwargs)
 
 
 class GRPOSeqParMixin(TRLSeqParMixin):
