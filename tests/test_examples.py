@@ -194,6 +194,19 @@ def test_example_runs_with_every_shipped_config(dist_pool, tmp_path, name):
             assert len(losses) == 2 and torch.isfinite(torch.tensor(losses)).all(), (config, losses)
 
 
+POST_TRAINING_CONFIGS = ["ds_configs/usp_zero3.json", pytest.param(CONFIGS, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("name", ["grpo", "dpo"])
+@pytest.mark.parametrize("configs", POST_TRAINING_CONFIGS, ids=["usp_zero3", "every_config"])
+def test_post_training_examples_run(dist_pool, tmp_path, name, configs):
+    """examples/grpo.py (rewards) and examples/dpo.py (losses): 2 finite values per config."""
+    configs = [configs] if isinstance(configs, str) else configs
+    for results in dist_pool(4).run(sweep, name, configs, str(tmp_path), timeout=900):
+        for config, values in results.items():
+            assert len(values) == 2 and torch.isfinite(torch.tensor(values)).all(), (config, values)
+
+
 def accelerate_sweep(configs: list[str], out_dir: str) -> dict[str, list[float]]:
     """examples/accelerate_loop.py's main per config, with the environment ``accelerate launch
     --use_deepspeed --deepspeed_config_file CONFIG`` gives it (accelerate's state reset in between)."""
@@ -227,23 +240,27 @@ def test_accelerate_loop_runs_with_every_shipped_config(dist_pool, tmp_path):
             assert len(losses) == 2 and torch.isfinite(torch.tensor(losses)).all(), (config, losses)
 
 
-def _launch_losses(done, marker: str) -> list[float]:
+def _launch_losses(done, marker: str, values: str = "losses [") -> list[float]:
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     lines = [line for line in out.splitlines() if line.startswith(marker)]
     assert len(lines) == 1, out[-4000:]  # printed once (rank 0), not once per rank
-    losses = [float(x) for x in lines[0].split("losses [", 1)[1].split("]", 1)[0].split(",")]
+    losses = [float(x) for x in lines[0].split(values, 1)[1].split("]", 1)[0].split(",")]
     assert torch.isfinite(torch.tensor(losses)).all(), lines
     return losses
 
 
+SLOW_LAUNCHES = ("hf_ulysses_guide", "grpo", "dpo")
+
+
 @pytest.mark.parametrize(
-    "name", ["trainer", "sft_trl", "lora", pytest.param("hf_ulysses_guide", marks=pytest.mark.slow)]
+    "name", ["trainer", "sft_trl", "lora", *(pytest.param(n, marks=pytest.mark.slow) for n in SLOW_LAUNCHES)]
 )
 def test_example_runs_under_torchrun(tmp_path, name):
     cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "4", f"examples/{name}.py",
            "--ds_config", "ds_configs/usp_zero3.json", "--max-steps", "2", "--output-dir", str(tmp_path)]  # fmt: skip
-    assert len(_launch_losses(run_launcher(cmd, cwd=str(ROOT)), f"examples/{name}.py: 2 steps")) == 2
+    marker = "reward [" if name == "grpo" else "losses ["
+    assert len(_launch_losses(run_launcher(cmd, cwd=str(ROOT)), f"examples/{name}.py: 2 steps", marker)) == 2
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ds_seqpar.config import SeqParConfigError
 from ds_seqpar.integrations.fused_head import SeqParFusedLM
-from ds_seqpar.integrations.trainer import SeqParTrainerMixin, trainer_argument
+from ds_seqpar.integrations.trainer import SeqParTrainerMixin, reconcile_training_arguments, trainer_argument
 from ds_seqpar.integrations.trainer_eval import SeqParEvaluationMixin
 from ds_seqpar.mesh import SeqParMesh
 
@@ -175,8 +175,11 @@ class TRLSeqParMixin(SeqParTrainerMixin):
 
     def __init__(self, *trainer_args: Any, **trainer_kwargs: Any) -> None:
         args = trainer_argument(self, "args", trainer_args, trainer_kwargs)
-        if args is not None:
+        if args is not None and getattr(args, "deepspeed", None):
             refuse_unhonoured_options(self.seqpar_kind, args)
+            # values the JSON owns (micro batch, accumulation, ...) adopted before TRL derives its batches from them
+            reconcile_training_arguments(args)
+            self._seqpar_arguments(args)
         super().__init__(*trainer_args, **trainer_kwargs)
         mesh = self.seqpar_mesh
         data_parallel_view(self.accelerator, mesh)
@@ -187,6 +190,9 @@ class TRLSeqParMixin(SeqParTrainerMixin):
             self.ref_model = SeqParFusedLM(inner, mesh, loss_chunk_size=self.model.loss_chunk_size)
             self.ref_model.pad_token_id = self.seqpar_pad_token_id
             self.ref_model.fused_outputs = ("log_probs",)
+
+    def _seqpar_arguments(self, args: Any) -> None:
+        """Check or adjust the TRL config once its values are final, before the base ``__init__``."""
 
     # TRL's own data (whole rows on every rank of the group, split over dp by the view), loss and evaluation:
     # the base trainer's methods, past SeqParTrainerMixin's sharding loader and SeqParEvaluationMixin's loop
@@ -220,14 +226,14 @@ class GRPOSeqParMixin(TRLSeqParMixin):
     seqpar_kind = "GRPO"
 
     def __init__(self, *trainer_args: Any, **trainer_kwargs: Any) -> None:
-        args = trainer_argument(self, "args", trainer_args, trainer_kwargs)
-        if args is not None:
-            _generation_batches_over_dp(args)
         super().__init__(*trainer_args, **trainer_kwargs)
         self.model.temperature = self.temperature
         self.model.fused_outputs = ("log_probs", "entropy")
         if isinstance(self.ref_model, SeqParFusedLM):
             self.ref_model.temperature = self.temperature
+
+    def _seqpar_arguments(self, args: Any) -> None:
+        _generation_batches_over_dp(args)
 
     def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
         """TRL's generation on every rank, then the SP group's first rank's completions for the whole group (the
@@ -249,14 +255,8 @@ def _from_sp_leader(objects: list[Any], mesh: SeqParMesh) -> list[Any]:
 
 def _generation_batches_over_dp(args: Any) -> None:
     """GRPOConfig counted its generation batch over every process; under SP the replicas are the dp ranks."""
-    import os
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    from ds_seqpar.config import load_config
-    from ds_seqpar.integrations.trainer import _raw_config
-
-    section = load_config(_raw_config(args.deepspeed))[0]
-    dp = world // section.size
+    section = reconcile_training_arguments(args)[0]
+    dp = (dist.get_world_size() if dist.is_initialized() else args.world_size) // section.size
     args.generation_batch_size = args.per_device_train_batch_size * dp * args.steps_per_generation
     if args.generation_batch_size % args.num_generations:
         raise SeqParConfigError(
