@@ -103,14 +103,16 @@ def measure(
     return row
 
 
-def run(mesh: SeqParMesh, plan: tuple) -> list[dict]:
-    """Every row of ``plan`` ((V, lengths, chunks, largest unchunked n) per vocabulary)."""
+def run(mesh: SeqParMesh, plan: tuple, width: int = WIDTH) -> list[dict]:
+    """Every row of ``plan`` ((V, lengths, chunks, largest unchunked n) per vocabulary), hidden size ``width``."""
     rows = []
     for vocab, lengths, chunks, max_n in plan:
-        model = SeqParCausalLM(llama(vocab), mesh, loss_chunk_size=TRAIN_CHUNK)
+        model = SeqParCausalLM(llama(vocab, width), mesh, loss_chunk_size=TRAIN_CHUNK)
         warm = shard_batch({"input_ids": torch.randint(4, vocab, (1, 8 * mesh.sp_size))}, mesh)
         logprob_step(model, warm, 8)  # creates every parameter's .grad before the measured calls
-        rows += [measure(mesh, model, vocab, s, chunks, max_n) for s in lengths]
+        for s in lengths:
+            rows.append(measure(mesh, model, vocab, s, chunks, max_n))
+            rows[-1]["head_grad_MiB"] = vocab * width * 4 / MIB  # one [V, E] fp32: the head's weight gradient
         del model
     return rows
 
@@ -120,12 +122,15 @@ def table_columns(chunks: tuple) -> list[tuple[str, str, str]]:
     cols += [(f"token_logprobs c={c}", f"logprobs_c{c}_MiB", ".1f") for c in chunks]
     cols += [("unchunked (c = n)", "unchunked_MiB", ".1f"), ("train forward", "train_forward_MiB", ".1f")]
     cols += [(f"[{c}, V] fp32", f"logits_c{c}_MiB", ".1f") for c in chunks]
-    return [*cols, ("[n, V] fp32", "logits_n_MiB", ".1f")]
+    return [*cols, ("[n, V] fp32", "logits_n_MiB", ".1f"), ("[V, E] fp32", "head_grad_MiB", ".1f")]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="V = 32000, S = 4096 and 8192, c = 256 only")
+    parser.add_argument(
+        "--width", type=int, default=WIDTH, help="hidden size E (the head's gradient is [V, E])"
+    )
     parser.add_argument("--out", default="logprob_memory_cpu", help="results/<out>.{json,md}")
     args = parser.parse_args(argv)
     own_group = not dist.is_initialized()
@@ -136,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     mesh = SeqParMesh.from_config({"size": world, "ulysses_degree": u})
     plan = QUICK if args.quick else FULL
     start = time.perf_counter()
-    rows = run(mesh, plan)
+    rows = run(mesh, plan, args.width)
     seconds = time.perf_counter() - start
     chunks = tuple(sorted({c for _, _, cs, _ in plan for c in cs}))
     if dist.get_rank() == 0:
@@ -144,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             args.out,
             f"Peak memory per rank of the log-prob pass (MiB created inside the call: forward + backward of a loss "
             f"on the gathered log-probs; parameters and gradients excluded; the largest rank; unmeasured: nan); "
-            f"{world} gloo ranks (U={u} x R={world // u}, zigzag), Llama E={WIDTH}, {LAYERS} layers, batch 1, "
+            f"{world} gloo ranks (U={u} x R={world // u}, zigzag), Llama E={args.width}, {LAYERS} layers, batch 1, "
             f"fp32; {seconds:.0f} s",
-            {"world": world, "width": WIDTH, "layers": LAYERS, "chunks": chunks, "seconds": seconds},
+            {"world": world, "width": args.width, "layers": LAYERS, "chunks": chunks, "seconds": seconds},
             rows,
             table_columns(chunks),
         )
