@@ -16,7 +16,10 @@ are excluded) for:
   unchunked implementation costs);
 * ``train forward``: the training loss's forward (``loss_chunk_size`` 1024), for reference.
 
-Prints a markdown table on rank 0 and saves ``benchmarks/results/logprob_memory_cpu.{json,md}``; asserts
+``--width 512 --quick --out logprob_memory_e512_cpu`` shows the LM head's gradient term (``[V, E]``). Figures
+and their reading: docs/logprob_memory.md.
+
+Prints a markdown table on rank 0 and saves ``benchmarks/results/<out>.{json,md}``; asserts
 that the chunked peak is below the unchunked one where n > c. Exactness is the tests' job
 (``tests/test_logprobs.py``).
 """
