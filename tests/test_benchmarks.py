@@ -206,3 +206,25 @@ def test_gpu_check_dry_run_runs_every_code_path(dist_pool, tmp_path):
         assert "| triton | window+docs+softcap | torch.float32 |" in text
     assert "| delta | kda | float32 | PyTorch |" in text and "| linear | token | float32 | PyTorch |" in text
     assert "| False |" not in text
+
+
+def logprob_memory_rows() -> list[dict]:
+    from benchmarks.logprob_memory import run
+
+    world = torch.distributed.get_world_size()
+    mesh = SeqParMesh.from_config({"size": world, "ulysses_degree": 2})
+    return run(mesh, ((4000, (128, 256), (8,), 64),), width=16)
+
+
+def test_logprob_memory_peak_grows_with_the_chunk_not_the_shard(dist_pool) -> None:
+    """benchmarks/logprob_memory.py at tiny sizes (V 4000, E 16, c 8, n 32 and 64): the unchunked pass holds
+    three ``[n, V]`` fp32 tensors at its peak, so it grows by three times ``[n, V]``'s growth; the chunked one
+    grows by the layers' activations only (below the training forward's growth)."""
+    small, large = dist_pool(4).run(logprob_memory_rows)[0]
+    for r in (small, large):
+        assert 3 * r["logits_n_MiB"] <= r["unchunked_MiB"], r
+        bound = 3 * r["logits_c8_MiB"] + 3 * r["head_grad_MiB"] + r["train_forward_MiB"]
+        assert r["logprobs_c8_MiB"] < min(r["unchunked_MiB"], bound), r
+    grown = {k: large[k] - small[k] for k in ("unchunked_MiB", "logprobs_c8_MiB", "logits_n_MiB")}
+    assert grown["unchunked_MiB"] >= 3 * grown["logits_n_MiB"], grown
+    assert grown["logprobs_c8_MiB"] < grown["logits_n_MiB"], grown
