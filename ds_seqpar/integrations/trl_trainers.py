@@ -184,12 +184,23 @@ class TRLSeqParMixin(SeqParTrainerMixin):
         mesh = self.seqpar_mesh
         data_parallel_view(self.accelerator, mesh)
         self.model.pad_token_id = self.seqpar_pad_token_id
+        if hasattr(self.model.model, "disable_adapter") and self.args.hf_deepspeed_config.is_zero3():
+            raise SeqParConfigError(
+                f"{self.seqpar_kind} with a PEFT adapter under ZeRO-3 is not supported under sequence parallelism yet "
+                "(the frozen LM head's recomputed log-prob chunks meet a released ZeRO-3 partition in backward); "
+                "valid: zero_optimization.stage 1 or 2 for adapter training (tested equal to TRL), or full fine-tuning"
+            )
         ref = getattr(self, "ref_model", None)
         if ref is not None:
             inner = getattr(ref, "module", ref)
             self.ref_model = SeqParFusedLM(inner, mesh, loss_chunk_size=self.model.loss_chunk_size)
             self.ref_model.pad_token_id = self.seqpar_pad_token_id
             self.ref_model.fused_outputs = ("log_probs",)
+        elif self._seqpar_needs_reference() and hasattr(self.model.model, "disable_adapter"):
+            self.ref_model = _AdapterOffReference(self)
+
+    def _seqpar_needs_reference(self) -> bool:
+        return True
 
     def _seqpar_arguments(self, args: Any) -> None:
         """Check or adjust the TRL config once its values are final, before the base ``__init__``."""
@@ -220,10 +231,33 @@ class TRLSeqParMixin(SeqParTrainerMixin):
             return super(SeqParEvaluationMixin, self).evaluate(*args, **kwargs)
 
 
+class _AdapterOffReference:
+    """The reference model of a PEFT run: the policy with its adapters disabled (what TRL does in one process),
+    called like a fused-head model; TRL's own branch would look for the adapters on the SP wrapper."""
+
+    def __init__(self, trainer: Any) -> None:
+        peft = trainer.model.model
+        if "ref" in getattr(peft, "peft_config", {}):
+            raise SeqParConfigError(
+                "a PEFT model with a 'ref' adapter (TRL's copy of an adapter being re-trained) is not supported under "
+                "sequence parallelism; valid: train a new adapter (peft_config=...) or pass ref_model"
+            )
+        self.trainer = trainer
+
+    def __call__(self, **kwargs: Any) -> Any:
+        trainer = self.trainer
+        runner = getattr(trainer, "deepspeed", None) or trainer.model  # the engine once train() made one
+        with torch.no_grad(), trainer.model.model.disable_adapter():
+            return runner(**kwargs)
+
+
 class GRPOSeqParMixin(TRLSeqParMixin):
     """``with_sequence_parallel(GRPOTrainer)``: generation batches over dp, completions shared by the SP group."""
 
     seqpar_kind = "GRPO"
+
+    def _seqpar_needs_reference(self) -> bool:
+        return self.beta != 0.0
 
     def __init__(self, *trainer_args: Any, **trainer_kwargs: Any) -> None:
         super().__init__(*trainer_args, **trainer_kwargs)

@@ -96,10 +96,12 @@ def run_post_training(
     beta: float = 0.0,
     steps: int = 1,
     per_device: int = 4,
+    lora: bool = False,
 ) -> tuple[list[dict[str, float]], list[torch.Tensor]]:
     """``steps`` SGD steps (learning rate 1) of TRL's ``kind`` ("grpo" / "dpo") trainer, under sequence parallelism
     of degree ``sp`` (ZeRO ``stage``) or plain (``sp=None``); returns the logged losses (and for GRPO its reward
-    and entropy) and the parameters after training (gathered under ZeRO-3)."""
+    and entropy) and each parameter's change over the steps (gathered under ZeRO-3). ``lora``: a new LoRA adapter on the
+    attention projections trains (the reference model is the policy with its adapters disabled)."""
     import deepspeed
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
@@ -110,7 +112,7 @@ def run_post_training(
     common = dict(
         output_dir=out_dir, use_cpu=True, per_device_train_batch_size=per_device, max_steps=steps,
         learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
-        report_to=[], logging_steps=1, bf16=False, save_strategy="no", beta=beta, seed=0,
+        report_to=[], logging_steps=1, bf16=False, save_strategy="no", beta=beta, seed=0, gradient_checkpointing=False,
     )  # fmt: skip
     if sp is not None:
         common["deepspeed"] = sp_config(sp, u, stage)
@@ -122,12 +124,24 @@ def run_post_training(
         args = DPOConfig(**common, loss_type=[loss_type], max_length=256)
         extra = dict(train_dataset=preference_pairs(16))
         base = DPOTrainer
+    if lora:
+        from peft import LoraConfig
+
+        extra["peft_config"] = LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
+        )
     cls = base if sp is None else ds_seqpar.with_sequence_parallel(base)
+    torch.manual_seed(0)  # the same LoRA init on both sides
     trainer = cls(model=model_dir, args=args, processing_class=tok, **extra)
+
+    def parameters() -> list[torch.Tensor]:
+        model = trainer.model_wrapped if sp is not None else trainer.model
+        params = list(getattr(model, "module", model).parameters())
+        with deepspeed.zero.GatheredParameters(params) if sp is not None and stage == 3 else torch.no_grad():
+            return [p.detach().clone() for p in params]
+
+    before = parameters()
     trainer.train()
     keys = ("loss", "reward", "entropy")
     logs = [{k: h[k] for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
-    model = trainer.model_wrapped if sp is not None else trainer.model
-    params = list(getattr(model, "module", model).parameters())
-    with deepspeed.zero.GatheredParameters(params) if sp is not None and stage == 3 else torch.no_grad():
-        return logs, [p.detach().clone() for p in params]
+    return logs, [after - start for after, start in zip(parameters(), before, strict=True)]
