@@ -29,10 +29,13 @@ def model_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
 
 
-def _compare(dist_pool, tmp_path, model_dir, kind, **kw):
-    ref = dist_pool(1).run(run_post_training, kind, model_dir, str(tmp_path / "ref"), sp=None, **kw)[0]
+def _compare(dist_pool, tmp_path, model_dir, kind, sp=4, **kw):
+    """``sp`` < 4: dp = 4 / sp replicas, each with ``per_device`` samples; the one process takes them all."""
+    dp = 4 // sp
+    ref_kw = {**kw, "per_device": kw.get("per_device", 4) * dp}
+    ref = dist_pool(1).run(run_post_training, kind, model_dir, str(tmp_path / "ref"), sp=None, **ref_kw)[0]
     ref_logs, ref_steps = ref
-    results = dist_pool(4).run(run_post_training, kind, model_dir, str(tmp_path / "sp"), sp=4, **kw)
+    results = dist_pool(4).run(run_post_training, kind, model_dir, str(tmp_path / "sp"), sp=sp, **kw)
     floor = FLOOR * max(d.norm().item() for d in ref_steps)
     for rank, (logs, steps) in enumerate(results):
         assert len(logs) == len(ref_logs), (rank, logs, ref_logs)
@@ -59,6 +62,17 @@ def test_grpo_step_equals_trl_in_one_process(dist_pool, tmp_path, model_dir, los
 @pytest.mark.parametrize("loss_type", ["dr_grpo", "bnpo"])
 def test_grpo_other_loss_types_equal_trl(dist_pool, tmp_path, model_dir, loss_type):
     _compare(dist_pool, tmp_path, model_dir, "grpo", loss_type=loss_type, beta=0.04, steps=2)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "dpo"])
+def test_dp2_sp2_equals_trl_in_one_process(dist_pool, tmp_path, model_dir, kind):
+    """dp 2 x SP 2: prompts (pairs) split over the replicas, rewards gathered over dp, gradients averaged."""
+    kw = (
+        dict(loss_type="sigmoid", beta=0.5, per_device=2)
+        if kind == "dpo"
+        else dict(loss_type="grpo", beta=0.04)
+    )
+    _compare(dist_pool, tmp_path, model_dir, kind, sp=2, steps=2, **kw)
 
 
 def test_dpo_steps_equal_trl_in_one_process(dist_pool, tmp_path, model_dir):

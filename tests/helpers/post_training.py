@@ -54,11 +54,12 @@ def preference_pairs(count: int) -> Any:
 
 
 def fixed_rollout(batch_prompts: list[str], trainer: Any) -> dict[str, Any]:
-    """Completions that depend only on the prompt and its index in the generation batch (3 to 11 tokens)."""
+    """Completions that depend only on the prompt and how many times it came before in the batch (its
+    generation index: the same on one process and on the dp replicas), 3 to 11 tokens."""
     tok = trainer.processing_class
     completion_ids = []
     for i, prompt in enumerate(batch_prompts):
-        h = zlib.crc32(f"{prompt}|{i}".encode())
+        h = zlib.crc32(f"{prompt}|{batch_prompts[:i].count(prompt)}".encode())
         completion_ids.append([5 + (h >> (2 * k)) % (len(tok) - 10) for k in range(3 + h % 9)])
     return {
         "prompt_ids": [tok(p)["input_ids"] for p in batch_prompts],
@@ -115,7 +116,7 @@ def run_post_training(
         report_to=[], logging_steps=1, bf16=False, save_strategy="no", beta=beta, seed=0, gradient_checkpointing=False,
     )  # fmt: skip
     if sp is not None:
-        common["deepspeed"] = sp_config(sp, u, stage)
+        common["deepspeed"] = sp_config(sp, min(u, sp), stage)
     if kind == "grpo":
         args = GRPOConfig(**common, loss_type=loss_type, num_generations=4, max_completion_length=12)
         extra = dict(reward_funcs=length_reward, rollout_func=fixed_rollout, train_dataset=prompts(16))
