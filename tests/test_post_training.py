@@ -54,8 +54,13 @@ def _compare(dist_pool, tmp_path, model_dir, kind, sp=4, **kw):
     [("grpo", 0.0, 1), ("dapo", 0.04, 2)],
 )
 def test_grpo_step_equals_trl_in_one_process(dist_pool, tmp_path, model_dir, loss_type, beta, steps):
-    logs = _compare(dist_pool, tmp_path, model_dir, "grpo", loss_type=loss_type, beta=beta, steps=steps)
-    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+    """The second case also runs TRL's evaluation after training (eval loss and reward compared)."""
+    evaluate = beta > 0
+    logs = _compare(
+        dist_pool, tmp_path, model_dir, "grpo", loss_type=loss_type, beta=beta, steps=steps, evaluate=evaluate
+    )
+    assert all(torch.isfinite(torch.tensor(h.get("loss", h.get("eval_loss")))) for h in logs), logs
+    assert not evaluate or "eval_reward" in logs[-1], logs
 
 
 @pytest.mark.slow

@@ -98,11 +98,13 @@ def run_post_training(
     steps: int = 1,
     per_device: int = 4,
     lora: bool = False,
+    evaluate: bool = False,
 ) -> tuple[list[dict[str, float]], list[torch.Tensor]]:
     """``steps`` SGD steps (learning rate 1) of TRL's ``kind`` ("grpo" / "dpo") trainer, under sequence parallelism
     of degree ``sp`` (ZeRO ``stage``) or plain (``sp=None``); returns the logged losses (and for GRPO its reward
     and entropy) and each parameter's change over the steps (gathered under ZeRO-3). ``lora``: a new LoRA adapter on the
-    attention projections trains (the reference model is the policy with its adapters disabled)."""
+    attention projections trains (the reference model is the policy with its adapters disabled); ``evaluate``: TRL's
+    ``trainer.evaluate`` on 8 more prompts (pairs) after training, its metrics appended to the logs."""
     import deepspeed
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
@@ -145,4 +147,10 @@ def run_post_training(
     trainer.train()
     keys = ("loss", "reward", "entropy")
     logs = [{k: h[k] for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
+    if evaluate:  # TRL's own evaluation (GRPO: completions of the eval prompts, their loss and reward)
+        data = prompts(8) if kind == "grpo" else preference_pairs(8)
+        metrics = trainer.evaluate(eval_dataset=data)
+        logs.append(
+            {k: v for k, v in metrics.items() if k in ("eval_loss", "eval_reward", "eval_rewards/accuracies")}
+        )
     return logs, [after - start for after, start in zip(parameters(), before, strict=True)]
