@@ -54,3 +54,19 @@ def save_results(
     table = "\n".join(lines) + "\n"
     (RESULTS / f"{name}.md").write_text(table)
     return table
+
+
+def random_llama(vocab: int, width: int, layers: int, heads: int) -> torch.nn.Module:
+    """A random-init fp32 Llama (seed 0, sdpa): ``width`` E, ``layers`` layers, ``heads`` heads (half as many K/V
+    heads), an untied head ``[V, E]``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=1 << 20,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).float()
+    model.set_attn_implementation("sdpa")
+    return model

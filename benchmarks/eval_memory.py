@@ -27,7 +27,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import gather_floats, save_results
+from benchmarks.common import gather_floats, random_llama, save_results
 from ds_seqpar import SeqParCausalLM, SeqParMesh, shard_batch
 from ds_seqpar.memory.trace import LiveBytes
 
@@ -35,17 +35,7 @@ WIDTH, LAYERS, HEADS, VOCAB, CHUNK = 256, 2, 4, 32000, 1024
 
 
 def llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=4 * WIDTH, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, max_position_embeddings=1 << 20,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).float()
-    model.set_attn_implementation("sdpa")
-    return model
+    return random_llama(VOCAB, WIDTH, LAYERS, HEADS)
 
 
 def peak_of(call: object) -> float:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import ds_seqpar
-from benchmarks.common import gather_floats, save_results
+from benchmarks.common import gather_floats, random_llama, save_results
 from ds_seqpar import SeqParCausalLM, SeqParMesh, shard_batch
 from ds_seqpar.memory.trace import LiveBytes
 
@@ -46,17 +46,7 @@ MIB = 2**20
 
 def llama(vocab: int, width: int = WIDTH) -> torch.nn.Module:
     """Random-init fp32 Llama (``width`` E, untied head ``[V, E]``)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, max_position_embeddings=1 << 20,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).float()
-    model.set_attn_implementation("sdpa")
-    return model
+    return random_llama(vocab, width, LAYERS, HEADS)
 
 
 def peak_of(call: object, top: int = 0) -> float | tuple[float, dict]:
