@@ -52,6 +52,7 @@ REFUSED_OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
         "continuous batching generates outside generate()",
     ),
     ("GRPO", "top_entropy_quantile", 1.0, "the entropy quantile is taken over TRL's world gather"),
+    ("GRPO", "cast_lm_head_to_fp32", False, "the SP log-probs run the model's own head in its dtype"),
     (
         "DPO",
         "precompute_ref_log_probs",
