@@ -148,6 +148,13 @@ class SeqParCausalLM(torch.nn.Module):
     def config(self) -> Any:
         return self._parts.hf.config
 
+    def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        """``ds_seqpar.generate`` with this wrapper: sharded prefill, then decoding from the sharded cache
+        (docs/inference.md)."""
+        from ds_seqpar.integrations.generation import generate
+
+        return generate(self, input_ids, **kwargs)
+
     def _hidden(
         self,
         input_ids: torch.Tensor,

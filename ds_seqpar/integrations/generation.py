@@ -75,7 +75,11 @@ def _broadcast(tokens: torch.Tensor, mesh: SeqParMesh) -> torch.Tensor:
     """The SP group's first rank's ``tokens [B]`` on every rank of the group."""
     if mesh.sp_size > 1:
         tokens = tokens.contiguous()
-        dist.broadcast(tokens, src=mesh.members["sp"][0], group=mesh.group("sp"))
+        leader = mesh.members["sp"][0]
+        dist.broadcast(tokens, src=leader, group=mesh.group("sp"))
+        if mesh.coords.sp_rank == 0:
+            nbytes = tokens.numel() * tokens.element_size()
+            mesh.comm_stats.record_peers("broadcast", {m: nbytes for m in mesh.members["sp"] if m != leader})
     return tokens
 
 
