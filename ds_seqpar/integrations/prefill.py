@@ -67,13 +67,15 @@ def register_prefill_mode(mode: PrefillMode) -> None:
 register_prefill_mode(PrefillMode("exact", "the training forward of the SP layout, exact", _exact_forward))
 
 _WRAPPERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+WRAPPER_CLASS: list[
+    type
+] = []  # [SeqParCausalLM], registered by integrations/causal_lm.py (which imports this module)
 
 
 def causal_wrapper(model: torch.nn.Module, mesh: SeqParMesh | None) -> Any:
     """The ``SeqParCausalLM`` to run ``model`` with: the model itself, the DeepSpeed engine's module, or one made
     (once per model and mesh, kept while the model lives) around a HF causal LM; refuses other wrappers."""
-    from ds_seqpar.integrations.causal_lm import SeqParCausalLM
-
+    (SeqParCausalLM,) = WRAPPER_CLASS
     model = getattr(model, "module", model) if not isinstance(model, SeqParCausalLM) else model
     if isinstance(model, SeqParCausalLM):
         if model.objective != "causal" or model.encoder_states:
