@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ds_seqpar.integrations.decode import decode_step
 from ds_seqpar.integrations.hf_model import UnsupportedModelError, unwrap_hf_model
-from ds_seqpar.integrations.prefill import causal_wrapper, prefill
+from ds_seqpar.integrations.prefill import causal_wrapper, model_device, prefill
 from ds_seqpar.integrations.sharded_cache import ShardedCache
 from ds_seqpar.mesh import SeqParMesh
 
@@ -108,7 +108,7 @@ def generate(
 
     wrapper = causal_wrapper(model, mesh)
     hf = unwrap_hf_model(wrapper.model)
-    ids = torch.as_tensor(input_ids).long()
+    ids = torch.as_tensor(input_ids).long().to(model_device(wrapper))
     config = _config(hf, generation_config, sampling)
     hf._prepare_special_tokens(config, False, device=ids.device)
     if ids.dim() != 2:

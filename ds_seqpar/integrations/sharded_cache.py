@@ -124,8 +124,8 @@ class ShardedCache:
         positions = array("q", self.order[index].tolist())
         docs = None
         if self.docs is not None:
-            docs = self.docs.new_zeros(self.docs.shape[0], cap)
-            docs[:, :n] = self.docs[:, self.order[index].to(self.docs.device)]
+            docs = key.new_zeros(self.docs.shape[0], cap, dtype=self.docs.dtype)
+            docs[:, :n] = self.docs[:, self.order[index].to(self.docs.device)].to(key.device)
         self.layers[layer] = LayerShard(keys, values, positions, docs, n)
 
     def read(
