@@ -194,3 +194,30 @@ def test_decode_bytes_syncs_packed_and_refusals(dist_pool):
         assert "computes its attention scores itself" in res["bloom"], where
         assert "psychic" in res["mode"] and "[B, S]" in res["shape"], where
         assert "different prompts" in res["prompts"], where
+
+
+def edges_case() -> dict:
+    """dp 2 x SP 2 (each replica its own prompts), a prompt shorter than the layout's multiple (some ranks hold
+    only padding), rows stopping at different steps on a stop token."""
+    from tests.helpers.meshes import mesh_for
+
+    ref = tiny_model("llama")
+    ref.eval()
+    mesh = mesh_for({"size": 2, "ulysses_degree": 1, "ring": {"layout": "zigzag"}})
+    sp = SeqParCausalLM(copy.deepcopy(ref), mesh)
+    replica = dist.get_rank() // 2
+    ids = torch.randint(3, VOCAB, (2, 3), generator=torch.Generator().manual_seed(7 + replica))
+    free = ref.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    stop = int(free[0, ids.shape[1] + 3])  # row 0 stops after 4 new tokens; row 1 when (if) it meets it
+    want = ref.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=stop)
+    got = sp.generate(ids, max_new_tokens=10, pad_token_id=0, eos_token_id=stop)
+    return {
+        "same": torch.equal(got.sequences, want),
+        "replica": replica,
+        "len": got.sequences.shape[1],
+    }
+
+
+def test_generate_dp_replicas_short_prompt_and_stop_tokens(dist_pool):
+    for rank, res in enumerate(dist_pool(4).run(edges_case)):
+        assert res["same"], f"rank {rank}: {res}"
