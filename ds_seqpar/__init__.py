@@ -32,7 +32,8 @@ Public API (more arrives with the attention, data and engine modules):
 * :func:`prefill` (:class:`Prefilled`, :class:`ShardedCache`): the prompt's forward over the SP group, leaving
   each rank the K/V of its tokens; :func:`generate` (:class:`GenerateOutput`): decoding from that sharded
   cache with HF's sampling arguments; :func:`register_prefill_mode` (:class:`PrefillMode`): another way to
-  run the prefill (docs/inference.md).
+  run the prefill (docs/inference.md); :func:`register_recurrent_decoder` (:class:`RecurrentDecoder`): a
+  recurrent layer that decodes from the state the prefill keeps (docs/inference_recurrent.md).
 * :func:`memory_estimate` / :func:`largest_seq_len`: the memory model (predicted peak bytes per rank by
   category, docs/memory.md).
 """
@@ -50,6 +51,7 @@ from ds_seqpar.integrations.generation import GenerateOutput, generate
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
 from ds_seqpar.integrations.logprobs import TokenLogprobs, token_logprobs
 from ds_seqpar.integrations.prefill import Prefilled, PrefillMode, prefill, register_prefill_mode
+from ds_seqpar.integrations.recurrent_decoders import RecurrentDecoder, register_recurrent_decoder
 from ds_seqpar.integrations.recurrent_layers import register_recurrent_layer
 from ds_seqpar.integrations.routing import disable_sequence_parallel, enable_sequence_parallel
 from ds_seqpar.integrations.seq2seq import SeqParSeq2SeqLM, shard_encoder_states
@@ -84,6 +86,7 @@ __all__ = [
     "PrefillMode",
     "Prefilled",
     "RankShapeError",
+    "RecurrentDecoder",
     "SeqParCausalLM",
     "SeqParCollator",
     "SeqParConfigError",
@@ -120,6 +123,7 @@ __all__ = [
     "register_kernel",
     "register_layout",
     "register_prefill_mode",
+    "register_recurrent_decoder",
     "register_recurrent_layer",
     "register_schedule",
     "register_sparse_kernel",
