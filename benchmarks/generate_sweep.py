@@ -74,9 +74,8 @@ def _compare(out, seqs: torch.Tensor, ref_logits: list[torch.Tensor]) -> dict:
 
 def generate_one(model_type: str, seed: int = 0) -> dict:
     """On every rank: build, generate with HF and with ds_seqpar, compare (see the module docstring)."""
-    from benchmarks.tiny_configs import build_tiny_model
-
     import ds_seqpar
+    from benchmarks.tiny_configs import build_tiny_model
     from ds_seqpar import SeqParConfigError, UnsupportedModelError
 
     mesh = _mesh()
