@@ -25,7 +25,15 @@ def test_moshi_refused_by_name_before_any_collective():
     assert "MoshiForCausalLM" in message and "MoshiAttention" in message, message
     assert "sliding_window" in message and "generate with the plain model" in message, message
     refuse_undecodable_family(build_tiny_model("llama"))  # a family without an entry passes
-    assert set(UNDECODABLE_LAYERS) == {"MoshiAttention"}
+    assert set(UNDECODABLE_LAYERS) == {"MoshiAttention", "DoryAttention"}
+
+
+def test_dory_refused_only_when_its_loops_share_the_last_loop_cache():
+    model = build_tiny_model("dory")
+    refuse_undecodable_family(model)  # per_loop (the default): one cache entry per loop, decoded exactly
+    model.config.recurrent_kv_cache_mode = "last_loop"
+    with pytest.raises(UnsupportedModelError, match="DoryAttention.*last_loop.*per_loop"):
+        refuse_undecodable_family(model)
 
 
 def test_repeated_attention_calls_get_cache_entries_of_their_own():
