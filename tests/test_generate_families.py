@@ -32,7 +32,7 @@ def test_dory_refused_only_when_its_loops_share_the_last_loop_cache():
     model = build_tiny_model("dory")
     refuse_undecodable_family(model)  # per_loop (the default): one cache entry per loop, decoded exactly
     model.config.recurrent_kv_cache_mode = "last_loop"
-    with pytest.raises(UnsupportedModelError, match="DoryAttention.*last_loop.*per_loop"):
+    with pytest.raises(UnsupportedModelError, match=r"DoryAttention.*last_loop.*per_loop"):
         refuse_undecodable_family(model)
 
 
