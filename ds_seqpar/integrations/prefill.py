@@ -108,8 +108,10 @@ def refuse_undecodable(wrapper: Any, packed: bool = False) -> None:
             f"{name} derives its position ids from the token ids ({wrapper._parts.positions[0].summary}); "
             "decoding from a sharded cache takes position ids that continue the prompt's: generate with the plain model"
         )
+    from ds_seqpar.integrations.decode_rules import refuse_undecodable_family
     from ds_seqpar.integrations.recurrent_state import refuse_packed_recurrent, refuse_undecodable_layers
 
+    refuse_undecodable_family(hf)
     refuse_undecodable_layers(hf)
     if packed:
         refuse_packed_recurrent(hf)
