@@ -29,7 +29,7 @@ Public API (more arrives with the attention, data and engine modules):
   TRL's ``SFTTrainer``), :func:`accelerate_prepare` (a loop under ``accelerate launch``).
 * :func:`token_logprobs` (:class:`TokenLogprobs`): per-token log-probs and entropies of a sharded batch, this
   rank's or the whole sequence's (post-training losses, docs/post_training.md).
-* :func:`memory_estimate` / :func:`largest_seq_len`: the memory model (predicted peak bytes per rank by
+* :func:`memory_estimate` / :func:`largest_seq_len` / :func:`prefill_memory_estimate`: the memory model (predicted peak bytes per rank by
   category, docs/memory.md).
 """
 
@@ -49,7 +49,7 @@ from ds_seqpar.integrations.routing import disable_sequence_parallel, enable_seq
 from ds_seqpar.integrations.seq2seq import SeqParSeq2SeqLM, shard_encoder_states
 from ds_seqpar.layout import LayoutError, register_layout
 from ds_seqpar.loss import sp_causal_lm_loss
-from ds_seqpar.memory import MemoryEstimate, largest_seq_len, memory_estimate
+from ds_seqpar.memory import MemoryEstimate, largest_seq_len, memory_estimate, prefill_memory_estimate
 from ds_seqpar.mesh import DeepSpeedMPU, MeshCoords, MeshPlan, SeqParMesh, plan_mesh
 from ds_seqpar.ops.attention import register_kernel
 from ds_seqpar.ops.sparse import register_sparse_kernel
@@ -103,6 +103,7 @@ __all__ = [
     "memory_estimate",
     "parse_section",
     "plan_mesh",
+    "prefill_memory_estimate",
     "register_attention_layer",
     "register_kernel",
     "register_layout",

@@ -11,6 +11,7 @@ import torch
 
 from ds_seqpar.memory.checkpoint import LayerCheckpoint
 from ds_seqpar.memory.estimate import MemoryEstimate, largest_seq_len, memory_estimate
+from ds_seqpar.memory.inference import prefill_memory_estimate
 from ds_seqpar.memory.offload import HostStore
 from ds_seqpar.memory.tiled_mlp import TilePlan, find_mlps, find_norms, tile_modules
 
@@ -23,6 +24,7 @@ __all__ = [
     "enable_memory_savings",
     "largest_seq_len",
     "memory_estimate",
+    "prefill_memory_estimate",
 ]
 
 
