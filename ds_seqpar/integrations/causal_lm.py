@@ -164,10 +164,16 @@ class SeqParCausalLM(torch.nn.Module):
         if self.memory.plan is not None:
             zero3 = any(hasattr(p, "ds_id") for p in itertools.islice(parts.decoder.parameters(), 1))
             self.memory.plan.plan(input_ids.shape[-1], input_ids.device, agree=zero3)
-        ctx = ctx or self._context(doc_ids)
+        return self._run_decoder(input_ids, position_ids, ctx or self._context(doc_ids), **decoder_inputs)
+
+    def _run_decoder(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: SeqParContext, **decoder_inputs: Any
+    ) -> torch.Tensor:
+        """The decoder on ``input_ids [B, n]`` at ``position_ids`` with ``ctx`` -> final hidden states ``[B, n, E]``;
+        every layer's call is checked after (``_check_calls``)."""
         token = ACTIVE_CONTEXT.set(ctx)
         try:
-            hidden = parts.decoder(
+            hidden = self._parts.decoder(
                 input_ids=input_ids,
                 position_ids=position_ids,
                 use_cache=False,
