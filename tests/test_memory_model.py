@@ -129,7 +129,7 @@ def test_docs_memory_snippets_run_as_written(capsys):
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "memory.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     for block in blocks:
         exec(compile(block, "docs/memory.md", "exec"), {})
     out = capsys.readouterr().out

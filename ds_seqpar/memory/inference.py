@@ -148,10 +148,10 @@ def _phases(settings: SeqParSettings, dims: _Dims, t: _Tensors, n: int, batch: i
     """
     base = 2 * t.h + t.rope + 3 * batch * n * 8
     mem = settings.memory
-    # tiled: one tile's gate (its activation), up and product, and the output the tiles fill;
-    # untiled: gate (its activation), up, their product
+    # tiled: one tile's gate (its activation), up and product, and its down projection; untiled: gate (its
+    # activation), up, their product
     tile = min(n, mem.mlp_tile_tokens)
-    mlp = 3 * batch * tile * dims.inter * b + t.h if mem.tiled_mlp else 3 * t.m
+    mlp = batch * tile * (3 * dims.inter + dims.hidden) * b if mem.tiled_mlp else 3 * t.m
     return {
         # q's rotation: q, q·cos, rotate_half(q), its product with sin; k and v as projected
         "RoPE": base + t.h + 4 * t.a_q + 2 * t.kv,
