@@ -11,10 +11,12 @@ of 4 (contiguous) and 2 ranks (stripe).
 from __future__ import annotations
 
 import copy
+from typing import ClassVar
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ds_seqpar
 from ds_seqpar import SeqParCausalLM
@@ -90,12 +92,132 @@ def test_generate_equals_hf_four_ranks(dist_pool, kind, u, layout, prompt, sampl
     assert total == prompt + NEW_TOKENS - 1, results  # the last token is never fed back
 
 
-@pytest.mark.parametrize(("kind", "layout"), [("llama", "stripe"), ("mistral", "contiguous")])
-def test_generate_equals_hf_two_ranks(dist_pool, kind, layout):
-    for rank, res in enumerate(dist_pool(2).run(generation_case, kind, 1, layout, 39, GREEDY)):
+TWO_RANKS = [
+    ("llama", 1, "stripe"),
+    ("mistral", 1, "contiguous"),
+    ("gemma2", 2, "contiguous"),
+    ("gpt_oss", 2, "zigzag"),
+]
+
+
+@pytest.mark.parametrize(("kind", "u", "layout"), TWO_RANKS)
+def test_generate_equals_hf_two_ranks(dist_pool, kind, u, layout):
+    for rank, res in enumerate(dist_pool(2).run(generation_case, kind, u, layout, 39, GREEDY)):
         where = f"{kind} rank {rank}: {res}"
         assert res["prefill"] <= TOL and res["decode"] <= TOL and res["same_tokens"], where
 
 
 def test_decode_bytes_formula():
     assert decode_bytes(2, 1, 8, 16) == 2 * 8 * 17 * 4
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts the ops that make the host wait for a device value (``.item()``, ``bool(t)``, data-dependent shapes)."""
+
+    OPS: ClassVar = {torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero, torch.ops.aten.masked_select}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in self.OPS:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _raises(fn, *args, **kwargs) -> str:
+    try:
+        fn(*args, **kwargs)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def bytes_syncs_packed_case() -> dict:
+    """One decoding step's bytes and host syncs (Llama, U 2 x R 2), packed prompts against the last document
+    alone, and the refusals."""
+    ref = tiny_model("llama")
+    ref.eval()
+    mesh = sp_mesh(2, "zigzag")
+    sp = SeqParCausalLM(copy.deepcopy(ref), mesh)
+    ids = torch.randint(3, VOCAB, (2, 36), generator=torch.Generator().manual_seed(2))
+    cache = ds_seqpar.prefill(sp, ids).cache
+    token = torch.tensor([5, 7])
+    ds_seqpar.integrations.decode.decode_step(
+        sp, cache, token
+    )  # warm: first calls build nothing, but be fair
+    counter = SyncCounter()
+    with mesh.comm_stats.measure() as region, counter:
+        ds_seqpar.integrations.decode.decode_step(sp, cache, token)
+    cfg = ref.config
+    expected = (
+        cfg.num_hidden_layers * decode_bytes(2, 1, cfg.num_attention_heads, cfg.head_dim) * (mesh.sp_size - 1)
+    )
+    # packed prompts: the new tokens continue the last document, which sees only itself
+    cut = 20
+    pos = torch.cat([torch.arange(cut), torch.arange(ids.shape[1] - cut)]).expand_as(ids)
+    packed = sp.generate(ids, position_ids=pos, max_new_tokens=8, pad_token_id=0)
+    alone = ref.generate(ids[:, cut:], max_new_tokens=8, output_logits=True, return_dict_in_generate=True,
+                         pad_token_id=0)  # fmt: skip
+    packed_err = max(
+        (a - b.float()).abs().max().item() for a, b in zip(packed.logits, alone.logits, strict=True)
+    )
+    other = ids.clone()
+    other[0, 0] += dist.get_rank() % 2  # different prompts on different ranks
+    return {
+        "all_gather": region.counters["all_gather"].bytes,
+        "expected": expected,
+        "syncs": counter.ops,
+        "packed_err": packed_err,
+        "packed_tokens": torch.equal(
+            packed.sequences[:, ids.shape[1] :], alone.sequences[:, ids.shape[1] - cut :]
+        ),
+        "beams": _raises(sp.generate, ids, num_beams=2, max_new_tokens=2),
+        "unknown": _raises(sp.generate, ids, max_new_tokens=2, frobnicate=3),
+        "mamba2": _raises(ds_seqpar.generate, tiny_model("mamba2"), ids, mesh=mesh, max_new_tokens=2),
+        "bloom": _raises(ds_seqpar.generate, tiny_model("bloom"), ids, mesh=mesh, max_new_tokens=2),
+        "mode": _raises(ds_seqpar.prefill, sp, ids, mode="psychic"),
+        "shape": _raises(ds_seqpar.prefill, sp, ids[0]),
+        "prompts": _raises(ds_seqpar.prefill, sp, other),
+    }
+
+
+def test_decode_bytes_syncs_packed_and_refusals(dist_pool):
+    for rank, res in enumerate(dist_pool(4).run(bytes_syncs_packed_case)):
+        where = f"rank {rank}: {res}"
+        assert res["all_gather"] == res["expected"], where
+        assert res["syncs"] == [], where  # no host sync inside a decoding step
+        assert res["packed_err"] <= TOL and res["packed_tokens"], where
+        assert "num_beams=2" in res["beams"] and "frobnicate" in res["unknown"], where
+        assert "Mamba2Mixer" in res["mamba2"], where
+        assert "computes its attention scores itself" in res["bloom"], where
+        assert "psychic" in res["mode"] and "[B, S]" in res["shape"], where
+        assert "different prompts" in res["prompts"], where
+
+
+def edges_case() -> dict:
+    """dp 2 x SP 2 (each replica its own prompts), a prompt shorter than the layout's multiple (some ranks hold
+    only padding), rows stopping at different steps on a stop token."""
+    from tests.helpers.meshes import mesh_for
+
+    ref = tiny_model("llama")
+    ref.eval()
+    mesh = mesh_for({"size": 2, "ulysses_degree": 1, "ring": {"layout": "zigzag"}})
+    sp = SeqParCausalLM(copy.deepcopy(ref), mesh)
+    replica = dist.get_rank() // 2
+    ids = torch.randint(3, VOCAB, (2, 3), generator=torch.Generator().manual_seed(7 + replica))
+    free = ref.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    stop = int(free[0, ids.shape[1] + 3])  # row 0 stops after 4 new tokens; row 1 when (if) it meets it
+    want = ref.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=stop)
+    got = sp.generate(ids, max_new_tokens=10, pad_token_id=0, eos_token_id=stop)
+    return {
+        "same": torch.equal(got.sequences, want),
+        "replica": replica,
+        "len": got.sequences.shape[1],
+    }
+
+
+def test_generate_dp_replicas_short_prompt_and_stop_tokens(dist_pool):
+    for rank, res in enumerate(dist_pool(4).run(edges_case)):
+        assert res["same"], f"rank {rank}: {res}"

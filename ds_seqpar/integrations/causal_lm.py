@@ -19,6 +19,7 @@ from ds_seqpar.integrations.attention_layers import (
     unroute_attention_layers,
 )
 from ds_seqpar.integrations.context import ACTIVE_CONTEXT, CONTEXT_KEY, SeqParContext
+from ds_seqpar.integrations.generation import generate
 from ds_seqpar.integrations.hf_attention import FEED_FORWARD_LAYER_TYPES
 from ds_seqpar.integrations.hf_model import (
     PROBE_ATTENTION,
@@ -34,6 +35,7 @@ from ds_seqpar.integrations.hf_model import (
 from ds_seqpar.integrations.inline_adapters import refuse_unroutable_layers
 from ds_seqpar.integrations.logprobs import TokenLogprobs, sharded_logprobs
 from ds_seqpar.integrations.positions import PositionFn, PositionRule, model_position_ids, position_rule_of
+from ds_seqpar.integrations.prefill import WRAPPER_CLASS
 from ds_seqpar.integrations.recurrent_layers import has_recurrent_layers, refuse_recurrent_layers
 from ds_seqpar.integrations.routing import enable_sequence_parallel
 from ds_seqpar.loss import sp_causal_lm_loss
@@ -147,6 +149,11 @@ class SeqParCausalLM(torch.nn.Module):
     @property
     def config(self) -> Any:
         return self._parts.hf.config
+
+    def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        """``ds_seqpar.generate`` with this wrapper: sharded prefill, then decoding from the sharded cache
+        (docs/inference.md)."""
+        return generate(self, input_ids, **kwargs)
 
     def _hidden(
         self,
@@ -512,3 +519,6 @@ class SeqParMaskedLM(SeqParCausalLM):
     ) -> dict[str, torch.Tensor]:
         """Loss and accuracy over the masked tokens of the whole SP group (see ``SeqParCausalLM.evaluate``)."""
         return self._evaluate(input_ids, labels, position_ids, doc_ids, extra)
+
+
+WRAPPER_CLASS.append(SeqParCausalLM)  # prefill / generate wrap HF models in it (integrations/prefill.py)

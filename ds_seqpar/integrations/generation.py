@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ds_seqpar.integrations.decode import decode_step
 from ds_seqpar.integrations.hf_model import UnsupportedModelError, unwrap_hf_model
-from ds_seqpar.integrations.prefill import causal_wrapper, prefill
+from ds_seqpar.integrations.prefill import causal_wrapper, model_device, prefill
 from ds_seqpar.integrations.sharded_cache import ShardedCache
 from ds_seqpar.mesh import SeqParMesh
 
@@ -75,7 +75,11 @@ def _broadcast(tokens: torch.Tensor, mesh: SeqParMesh) -> torch.Tensor:
     """The SP group's first rank's ``tokens [B]`` on every rank of the group."""
     if mesh.sp_size > 1:
         tokens = tokens.contiguous()
-        dist.broadcast(tokens, src=mesh.members["sp"][0], group=mesh.group("sp"))
+        leader = mesh.members["sp"][0]
+        dist.broadcast(tokens, src=leader, group=mesh.group("sp"))
+        if mesh.coords.sp_rank == 0:
+            nbytes = tokens.numel() * tokens.element_size()
+            mesh.comm_stats.record_peers("broadcast", {m: nbytes for m in mesh.members["sp"] if m != leader})
     return tokens
 
 
@@ -104,7 +108,7 @@ def generate(
 
     wrapper = causal_wrapper(model, mesh)
     hf = unwrap_hf_model(wrapper.model)
-    ids = torch.as_tensor(input_ids).long()
+    ids = torch.as_tensor(input_ids).long().to(model_device(wrapper))
     config = _config(hf, generation_config, sampling)
     hf._prepare_special_tokens(config, False, device=ids.device)
     if ids.dim() != 2:

@@ -159,7 +159,7 @@ def _check_call(name: str, dropout: float, query: torch.Tensor, key: torch.Tenso
         raise UnsupportedModelError(
             f"{name}: q_len={query.shape[2]} != k_len={key.shape[2]}: a KV cache is in use, or the layer attends "
             "to keys that are not one per token (compressed or extra keys); sequence-parallel attention needs one "
-            "key per query token: pass use_cache=False, and generate with an unwrapped model"
+            "key per query token: pass use_cache=False, and generate with ds_seqpar.generate (docs/inference.md) or an unwrapped model"
         )
 
 

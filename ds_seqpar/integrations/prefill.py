@@ -67,13 +67,15 @@ def register_prefill_mode(mode: PrefillMode) -> None:
 register_prefill_mode(PrefillMode("exact", "the training forward of the SP layout, exact", _exact_forward))
 
 _WRAPPERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+WRAPPER_CLASS: list[
+    type
+] = []  # [SeqParCausalLM], registered by integrations/causal_lm.py (which imports this module)
 
 
 def causal_wrapper(model: torch.nn.Module, mesh: SeqParMesh | None) -> Any:
     """The ``SeqParCausalLM`` to run ``model`` with: the model itself, the DeepSpeed engine's module, or one made
     (once per model and mesh, kept while the model lives) around a HF causal LM; refuses other wrappers."""
-    from ds_seqpar.integrations.causal_lm import SeqParCausalLM
-
+    (SeqParCausalLM,) = WRAPPER_CLASS
     model = getattr(model, "module", model) if not isinstance(model, SeqParCausalLM) else model
     if isinstance(model, SeqParCausalLM):
         if model.objective != "causal" or model.encoder_states:
@@ -110,7 +112,8 @@ def refuse_undecodable(wrapper: Any) -> None:
     refuse_undecodable_layers(hf)
 
 
-def _check_prompt(ids: torch.Tensor, mesh: SeqParMesh, position_ids: Any) -> torch.Tensor:
+def _check_prompt(ids: torch.Tensor, wrapper: Any, position_ids: Any) -> torch.Tensor:
+    mesh = wrapper.mesh
     ids = torch.as_tensor(ids)
     if ids.dim() != 2 or ids.shape[1] < 1 or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(
@@ -123,7 +126,12 @@ def _check_prompt(ids: torch.Tensor, mesh: SeqParMesh, position_ids: Any) -> tor
             f"{tuple(ids.shape)} (packed prompts: positions restarting at 0 per document)"
         )
     check_same_inputs(mesh, "prefill", ("input_ids",), (ids,), fix="give every SP rank the same prompt")
-    return ids.long()
+    return ids.long().to(model_device(wrapper))
+
+
+def model_device(wrapper: Any) -> torch.device:
+    """The device of the wrapped model's parameters (ZeRO-3 partitions included)."""
+    return next(iter(wrapper.model.parameters())).device
 
 
 def _same_prompt(ids: torch.Tensor, mesh: SeqParMesh) -> None:
@@ -131,7 +139,7 @@ def _same_prompt(ids: torch.Tensor, mesh: SeqParMesh) -> None:
     give a cache of several prompts)."""
     if mesh.sp_size == 1:
         return
-    mix = torch.arange(1, ids.numel() + 1, dtype=torch.float64).reshape(ids.shape)
+    mix = torch.arange(1, ids.numel() + 1, dtype=torch.float64, device=ids.device).reshape(ids.shape)
     sig = torch.stack([(ids.double() * mix).sum(), (ids.double() ** 2).sum()])
     both = torch.stack([sig, -sig])
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=mesh.group("sp"))
@@ -171,7 +179,7 @@ def prefill(
     chosen = PREFILL_MODES[mode]
     refuse_undecodable(wrapper)
     chosen.check(wrapper)
-    ids = _check_prompt(input_ids, mesh, position_ids)
+    ids = _check_prompt(input_ids, wrapper, position_ids)
     b, s0 = ids.shape
     batch = shard_batch({"input_ids": ids, "position_ids": position_ids}, mesh, layout=input_layout(mesh))
     layout = input_layout(mesh).for_batch(batch["doc_ids"])
@@ -185,6 +193,7 @@ def prefill(
     packed = position_ids is not None
     docs = batch["doc_ids"].expand(b, -1) if packed else None
     next_pos = torch.as_tensor(position_ids)[:, -1].long() + 1 if packed else torch.full((b,), s0)
+    next_pos = next_pos.to(ids.device)
     cache = ShardedCache(
         mesh, s0, order, order < s0, docs, None if docs is None else docs[:, s0 - 1], next_pos, reserve
     )

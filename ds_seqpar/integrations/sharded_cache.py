@@ -12,6 +12,8 @@ sorted by global index, in buffers with room to grow; a decoded token's K/V go t
 
 from __future__ import annotations
 
+import bisect
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,12 +27,13 @@ __all__ = ["LayerShard", "ShardedCache"]
 @dataclass
 class LayerShard:
     """One attention layer's entries on this rank: ``keys [B, H_kv, cap, D]``, ``values [B, H_kv, cap, D_v]``,
-    their global indices ``positions [cap]`` (host, int64, ascending over the first ``length``), and, for
-    packed prompts, their document ids ``docs [B, cap]``; the first ``length`` slots are filled."""
+    their global indices ``positions`` (a host ``array('q')`` of ``length`` ascending entries: window starts are
+    found by bisection, no device read), and, for packed prompts, their document ids ``docs [B, cap]``; the
+    first ``length`` slots are filled."""
 
     keys: torch.Tensor
     values: torch.Tensor
-    positions: torch.Tensor
+    positions: array
     docs: torch.Tensor | None
     length: int
 
@@ -46,7 +49,6 @@ class LayerShard:
             return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
         self.keys, self.values = pad(self.keys, 2), pad(self.values, 2)
-        self.positions = pad(self.positions, 0)
         self.docs = None if self.docs is None else pad(self.docs, 1)
 
     def append(self, key: torch.Tensor, value: torch.Tensor, index: int, doc: torch.Tensor | None) -> None:
@@ -55,14 +57,14 @@ class LayerShard:
         i = self.length
         self.keys[:, :, i : i + 1] = key
         self.values[:, :, i : i + 1] = value
-        self.positions[i] = index
+        self.positions.append(index)
         if self.docs is not None:
             self.docs[:, i] = doc
         self.length += 1
 
     def visible(self, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The entries with global index >= ``first`` (host bisection, no device sync): keys, values, docs."""
-        start = int(torch.searchsorted(self.positions[: self.length], first)) if first > 0 else 0
+        start = bisect.bisect_left(self.positions, first) if first > 0 else 0
         docs = None if self.docs is None else self.docs[:, start : self.length]
         return self.keys[:, :, start : self.length], self.values[:, :, start : self.length], docs
 
@@ -119,12 +121,11 @@ class ShardedCache:
         values = value.new_zeros(*value.shape[:2], cap, value.shape[3])
         keys[:, :, :n] = key.index_select(2, index.to(key.device))
         values[:, :, :n] = value.index_select(2, index.to(value.device))
-        positions = torch.zeros(cap, dtype=torch.long)
-        positions[:n] = self.order[index]
+        positions = array("q", self.order[index].tolist())
         docs = None
         if self.docs is not None:
-            docs = self.docs.new_zeros(self.docs.shape[0], cap)
-            docs[:, :n] = self.docs[:, self.order[index].to(self.docs.device)]
+            docs = key.new_zeros(self.docs.shape[0], cap, dtype=self.docs.dtype)
+            docs[:, :n] = self.docs[:, self.order[index].to(self.docs.device)].to(key.device)
         self.layers[layer] = LayerShard(keys, values, positions, docs, n)
 
     def read(
