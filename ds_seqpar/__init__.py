@@ -33,8 +33,9 @@ Public API (more arrives with the attention, data and engine modules):
   each rank the K/V of its tokens; :func:`generate` (:class:`GenerateOutput`): decoding from that sharded
   cache with HF's sampling arguments; :func:`register_prefill_mode` (:class:`PrefillMode`): another way to
   run the prefill (docs/inference.md); :func:`register_recurrent_decoder` (:class:`RecurrentDecoder`): a
-  recurrent layer that decodes from the state the prefill keeps (docs/inference_recurrent.md).
-* :func:`memory_estimate` / :func:`largest_seq_len`: the memory model (predicted peak bytes per rank by
+  recurrent layer that decodes from the state the prefill keeps (docs/inference.md).
+* :func:`memory_estimate` / :func:`largest_seq_len` / :func:`prefill_memory_estimate` /
+  :func:`decode_cache_bytes`: the memory model (predicted peak bytes per rank by
   category, docs/memory.md).
 """
 
@@ -58,7 +59,13 @@ from ds_seqpar.integrations.seq2seq import SeqParSeq2SeqLM, shard_encoder_states
 from ds_seqpar.integrations.sharded_cache import ShardedCache
 from ds_seqpar.layout import LayoutError, register_layout
 from ds_seqpar.loss import sp_causal_lm_loss
-from ds_seqpar.memory import MemoryEstimate, largest_seq_len, memory_estimate
+from ds_seqpar.memory import (
+    MemoryEstimate,
+    decode_cache_bytes,
+    largest_seq_len,
+    memory_estimate,
+    prefill_memory_estimate,
+)
 from ds_seqpar.mesh import DeepSpeedMPU, MeshCoords, MeshPlan, SeqParMesh, plan_mesh
 from ds_seqpar.ops.attention import register_kernel
 from ds_seqpar.ops.sparse import register_sparse_kernel
@@ -106,6 +113,7 @@ __all__ = [
     "accelerate_prepare",
     "attention",
     "cross_attention",
+    "decode_cache_bytes",
     "delta_rule_attention",
     "disable_sequence_parallel",
     "enable_sequence_parallel",
@@ -119,6 +127,7 @@ __all__ = [
     "parse_section",
     "plan_mesh",
     "prefill",
+    "prefill_memory_estimate",
     "register_attention_layer",
     "register_kernel",
     "register_layout",
