@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from ds_seqpar.integrations.deepspeed import init_distributed
+    from ds_seqpar.integrations.prefill import causal_wrapper
     from ds_seqpar.mesh import SeqParMesh
 
     warnings.filterwarnings("ignore", message=r".*is deprecated", category=FutureWarning)
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(args.settings.fault_timeout_s)
     mesh = SeqParMesh.from_config(args.section, args.model_config)
     rank = dist.get_rank()
-    model = _load_model(args)
+    model = causal_wrapper(_load_model(args), mesh)  # built once: its checks run a probe forward, not timed
     say = (
         (lambda text: print(text, flush=True)) if rank == 0 and not args.no_progress else (lambda text: None)
     )
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows = []
     for index, (_, ids) in enumerate(args.prompts):
-        row = generate_one(model, mesh, args, ids)
+        row = generate_one(model, args, ids)
         rows.append({"index": index, **row})
         say(
             f"[{index + 1}/{len(args.prompts)}] {row['prompt_tokens']} prompt tokens -> {row['new_tokens']} new "
@@ -99,10 +100,9 @@ def _load_model(args: argparse.Namespace) -> torch.nn.Module:
     return model.eval()
 
 
-def generate_one(
-    model: torch.nn.Module, mesh: Any, args: argparse.Namespace, ids: list[int]
-) -> dict[str, Any]:
-    """One prompt's generation and its row: token counts, new token ids, text, prefill and decoding times."""
+def generate_one(model: Any, args: argparse.Namespace, ids: list[int]) -> dict[str, Any]:
+    """One prompt's generation by the ``SeqParCausalLM`` ``model`` and its row: token counts, new token ids,
+    text, prefill and decoding times."""
     from ds_seqpar.integrations.generation import generate
     from ds_seqpar.integrations.hf_model import unwrap_hf_model
 
@@ -112,14 +112,14 @@ def generate_one(
     sampling.update(
         {k: getattr(args, k) for k in ("temperature", "top_k", "top_p") if getattr(args, k) is not None}
     )
-    head = unwrap_hf_model(model).get_output_embeddings()
+    head = unwrap_hf_model(model.model).get_output_embeddings()
     stamps: list[float] = []
     hook = head.register_forward_hook(
         lambda *_: stamps.append(_now(device))
     )  # the first call ends the prefill
     try:
         start = _now(device)
-        out = generate(model, prompt, mesh=mesh, prefill_mode=args.prefill_mode, seed=args.seed,
+        out = generate(model, prompt, prefill_mode=args.prefill_mode, seed=args.seed,
                        max_new_tokens=args.max_new_tokens, **sampling)  # fmt: skip
         end = _now(device)
     finally:
@@ -136,7 +136,7 @@ def generate_one(
         "decode_s": decode_s,
         "tokens_per_s": len(new) / (end - start),
         "decode_tokens_per_s": (len(new) - 1) / decode_s if len(new) > 1 and decode_s > 0 else None,
-        "sp_size": mesh.sp_size,
+        "sp_size": model.mesh.sp_size,
     }
 
 
