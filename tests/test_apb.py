@@ -129,3 +129,30 @@ def test_refusals_name_the_value():
         apb_attention(q, q, q, mesh=None, spec=ApbSpec(5, 0, 0))
     with pytest.raises(ValueError, match="window=0"):
         apb_attention(q, q, q, mesh=None, spec=ApbSpec(1, 1, 1), window=0)
+
+
+@pytest.mark.parametrize(
+    ("inference", "match"),
+    [
+        (
+            {"prefill": "exact", "anchor_len": 3},
+            r"inference\.anchor_len=3 is set but .*prefill='exact' ignores it",
+        ),
+        ({"prefill": "star", "passing_len": 3}, r"inference\.passing_len=3 with prefill='star'"),
+        ({"prefill": "apb", "query_len": 0}, r"inference\.query_len=0 with prefill='apb'"),
+        ({"prefill": "apb", "compression": "retaining_heads"}, r"compression='retaining_heads' is not valid"),
+        ({"prefill": "ring"}, r"inference\.prefill='ring' is not valid; valid: exact, apb, star"),
+    ],
+)
+def test_inference_section_refuses_by_name(inference, match):
+    from ds_seqpar.errors import SeqParConfigError
+
+    with pytest.raises(SeqParConfigError, match=match):
+        ds_seqpar.parse_section({"size": 2, "inference": inference}, 2)
+
+
+def test_inference_section_reaches_the_settings():
+    section = ds_seqpar.parse_section({"size": 2, "ulysses_degree": 1, "inference": {"prefill": "star"}}, 2)
+    settings = section.validate(None, 2)
+    assert (settings.inference.prefill, settings.inference.passing) == ("star", 0)
+    assert ds_seqpar.parse_section({"size": 2}, 2).inference.prefill == "exact"
