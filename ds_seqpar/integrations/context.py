@@ -36,6 +36,8 @@ class SeqParContext:
     encoder shard's key mask ``cross_mask [B, m]`` (None: no padding) and ``cross_schedule``;
     ``cross_calls`` counts them. ``local_attention``: the name of a transformers attention implementation
     that every call runs instead, unsplit (a replicated encoder's forward over its whole input).
+    ``approximate``: ``fn(module, query, key, value, **flags) -> out [B, n, H, D]`` that every self-attention
+    call runs instead of ``ds_seqpar.attention`` (APB / Star Attention prefill, docs/inference.md).
     """
 
     mesh: SeqParMesh
@@ -53,6 +55,7 @@ class SeqParContext:
     cross_active: set[int] = field(default_factory=set)
     cross_calls: int = 0
     local_attention: str | None = None
+    approximate: Any = None  # an approximate prefill's attention (integrations/apb_prefill.py), else None
 
     def record(
         self,

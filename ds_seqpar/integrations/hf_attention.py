@@ -212,6 +212,12 @@ def seqpar_attention_forward(
         sliding_window = _module_window(module)
     window, chunk = _window(name, sliding_window), layer_chunk(module)
     query, key, value, v_dim = _common_head_dim(query, key, value)
+    if ctx.approximate is not None:  # APB / Star Attention prefill (docs/inference.md)
+        out = ctx.approximate(module, query, key, value, causal=causal, scaling=scaling, window=window,
+                              chunk=chunk, softcap=softcap or None, sinks=_sinks(name, s_aux, query.shape[1]),
+                              alibi_slopes=alibi_slopes)  # fmt: skip
+        ctx.record(module, window, causal, chunk)
+        return (out if v_dim is None else out[..., :v_dim]), None
     out = attention(
         query.transpose(1, 2),
         key.transpose(1, 2),
