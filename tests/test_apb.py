@@ -88,6 +88,7 @@ CASES = [
     ApbCase(32, (2, 3, 5), window=6, seed=4),  # window over anchor, passing and own block
     ApbCase(32, (3, 2, 4), softcap=2.0, sinks=True, seed=5),
     ApbCase(32, (6, 2, 8), seed=6),  # rank 0 pads (n - l_a < l_p at P = 4)
+    ApbCase(32, (8, 1, 3), seed=9),  # P = 4: rank 0's block is all anchor, it passes nothing
     ApbCase(32, (3, 2, 3), dtype=torch.float32, seed=8),
 ]
 

@@ -122,28 +122,28 @@ def _exchange(mesh: SeqParMesh, keys, values, positions) -> torch.Tensor:
     return out.view(mesh.sp_size, *buf.shape)
 
 
-def _unpack(gathered, rank, n, d_k, d_v, dtype):
-    """Keys ``[B, r·b, H_kv, D_k]``, values, positions ``[B, H_kv, r·b]`` (global, -1 padding) of ranks < r."""
+def _unpack(gathered, rank, n, spec, d_k, d_v, dtype):
+    """Keys ``[B, L, H_kv, D_k]``, values, global positions ``[B, H_kv, L]`` passed by the ranks < r (rank 0's
+    padding dropped: it pads the same count on every head), L = min(b, n - l_a) + (r - 1)·b."""
     item = torch.empty((), dtype=dtype).element_size()
-    src = gathered[:rank]  # [r, B, H_kv, b, row]
     kb, vb = d_k * item, d_v * item
-    keys = src[..., :kb].contiguous().view(dtype)
-    values = src[..., kb : kb + vb].contiguous().view(dtype)
-    local = src[..., kb + vb :].contiguous().view(torch.int64).squeeze(-1)  # [r, B, H_kv, b]
-    offsets = (torch.arange(rank, device=local.device) * n).view(-1, 1, 1, 1)
-    positions = torch.where(local >= 0, local + offsets, local)
-
-    def flat(t):  # [r, B, H_kv, b, ...] -> [B, H_kv, r·b, ...]
-        t = t.movedim(0, 2)
-        return t.reshape(*t.shape[:2], -1, *t.shape[4:])
-
-    return flat(keys).transpose(1, 2), flat(values).transpose(1, 2), flat(positions)
+    b = spec.budget(n)
+    keys, values, positions = [], [], []
+    for src in range(rank):
+        part = gathered[src]  # [B, H_kv, b, row]
+        if src == 0:
+            part = part[:, :, : min(b, n - spec.anchor_len)]
+        keys.append(part[..., :kb].contiguous().view(dtype))
+        values.append(part[..., kb : kb + vb].contiguous().view(dtype))
+        positions.append(part[..., kb + vb :].contiguous().view(torch.int64).squeeze(-1) + src * n)
+    keys, values = torch.cat(keys, dim=2).transpose(1, 2), torch.cat(values, dim=2).transpose(1, 2)
+    return keys, values, torch.cat(positions, dim=2)
 
 
 def _over_passing(q_loc, keys, values, positions, row_pos, window, *, scale, softcap, kernel):
-    """Local rows over the passed keys (per-KV-head key sets): ``(out, lse)``; one call when every entry
-    is visible to every row, else one masked call per KV head."""
-    if bool((positions >= 0).all()) and window is None:
+    """Local rows over the passed keys (per-KV-head key sets, all earlier than the rows): ``(out, lse)``; one
+    call without a window, else one call per KV head masked by the window."""
+    if window is None:
         return block_attn_forward(q_loc, keys, values, scale=scale, softcap=softcap, kernel=kernel)
     h_kv = keys.shape[2]
     g = q_loc.shape[2] // h_kv
@@ -151,7 +151,7 @@ def _over_passing(q_loc, keys, values, positions, row_pos, window, *, scale, sof
     for h in range(h_kv):
         pos = positions[:, h].unsqueeze(1)  # [B, 1, L]
         diff = row_pos.view(1, -1, 1) - pos
-        mask = (pos >= 0) & (diff >= 0) & (diff < window if window is not None else True)
+        mask = (diff >= 0) & (diff < window)
         out, lse = block_attn_forward(q_loc[:, :, h * g : (h + 1) * g], keys[:, :, h : h + 1],
                                       values[:, :, h : h + 1], scale=scale, mask=mask, softcap=softcap,
                                       kernel=kernel)  # fmt: skip
@@ -197,7 +197,7 @@ def apb_attention(
         keys, values, idx = _select(qa[:, l_a:], kl, vl, rank, spec, scale, softcap)
         gathered = _exchange(mesh, keys, values, idx)
         if rank > 0:
-            pk, pv, ppos = _unpack(gathered, rank, n, k.shape[-1], v.shape[-1], k.dtype)
+            pk, pv, ppos = _unpack(gathered, rank, n, spec, k.shape[-1], v.shape[-1], k.dtype)
             merge_attn_(out, lse, *_over_passing(ql, pk, pv, ppos, lpos, window, **common))
     out = torch.cat([anchor[0], out], dim=1)
     if sinks is not None:
