@@ -7,10 +7,10 @@ Run with PyTorch's launcher (one process per rank)::
 A random-init Llama (E = 256, 2 layers, 4 heads, 2 KV heads, D = 64, fp32) prefills one prompt of S tokens
 (32768; ``--quick``: 4096) on the 4 ranks. In the same run:
 
-* ``exact``: ``SeqParCausalLM``'s forward of the sharded prompt under no_grad (USP, U and layout "auto" /
-  zigzag), the last position's hidden state broadcast from its rank, the logits on every rank;
-* ``star`` (l_p = 0) and ``apb`` at each passing length l_p: ``apb_prefill_logits`` (anchor_len 1024,
-  query_len 64, one prompt row per rank: anchor + embedded query + its block of S / 4).
+* ``exact``: ``ds_seqpar.prefill(..., mode="exact")`` under the default section (USP, U "auto" = 2, zigzag);
+* ``star`` (l_p = 0) and ``apb`` at each passing length l_p: ``ds_seqpar.prefill`` with ``inference.prefill``
+  ``"star"`` / ``"apb"`` (anchor_len 1024, query_len 64; ``ring.layout: "contiguous"``, the same process groups:
+  one row per rank = anchor + embedded query + its block of S / 4).
 
 Per mode: the median over ``--reps`` (after one warm-up) of the slowest rank's prefill time, the speed-up
 over exact, the bytes one rank sends in the prefill (``mesh.comm_stats``: every collective of the modes),
@@ -28,29 +28,13 @@ import argparse
 import torch
 import torch.distributed as dist
 
+import ds_seqpar
 from benchmarks.common import gather_floats, random_llama, save_results, slowest_rank_median
-from ds_seqpar import SeqParCausalLM, SeqParMesh
-from ds_seqpar.integrations.apb_prefill import apb_prefill_logits
+from ds_seqpar import SeqParMesh
 from ds_seqpar.parallel.apb import ApbSpec, apb_layer_bytes
-from ds_seqpar.settings import input_layout
 
 WIDTH, LAYERS, HEADS, VOCAB = 256, 2, 4, 1024
 ANCHOR, QUERY = 1024, 64
-
-
-def exact_logits(wrapper: SeqParCausalLM, ids: torch.Tensor) -> torch.Tensor:
-    """Logits ``[B, V]`` of the last prompt position after the exact SP forward (every rank)."""
-    mesh = wrapper.mesh
-    layout = input_layout(mesh)
-    s, rank, world = ids.shape[1], mesh.coords.sp_rank, mesh.sp_size
-    pos = layout.local_positions(s, rank)
-    with torch.no_grad():
-        hidden = wrapper._hidden(layout.shard(ids, rank), pos.expand(ids.shape[0], -1), None)
-        owner = next(r for r in range(world) if int(layout.local_positions(s, r)[-1]) == s - 1)
-        last = hidden[:, -1:].contiguous()
-        members = mesh.members["sp"]
-        dist.broadcast(last, src=members[owner], group=mesh.group("sp"))
-        return wrapper._parts.logits(last)[:, -1]
 
 
 def _modes(budgets: list[int]) -> list[tuple[str, int]]:
@@ -74,12 +58,18 @@ def _prompts(args, seq_len: int) -> list[tuple[torch.Tensor, int]]:
     return out
 
 
-def run_mode(wrapper, mode: str, budget: int, prompts, reps: int) -> dict:
-    mesh = wrapper.mesh
+def run_mode(model, base: SeqParMesh, mode: str, budget: int, prompts, reps: int) -> dict:
     spec = ApbSpec(ANCHOR, QUERY, budget) if mode != "exact" else None
+    mesh = base
+    if spec is not None:
+        inference = {"prefill": mode, "anchor_len": ANCHOR, "query_len": QUERY}
+        if mode == "apb":
+            inference["passing_len"] = budget
+        section = {"size": base.sp_size, "ring": {"layout": "contiguous"}, "inference": inference}
+        mesh = base.with_section(section, model.config)
 
     def call(ids):
-        return exact_logits(wrapper, ids) if spec is None else apb_prefill_logits(wrapper, ids, spec)
+        return ds_seqpar.prefill(model, ids, mesh=mesh).logits
 
     ids0 = prompts[0][0]
     seconds = slowest_rank_median(lambda: call(ids0), reps)
@@ -113,11 +103,10 @@ def main() -> None:
     seq_len = 4096 if args.quick else 32768
     n = seq_len // world
     budgets = [0, 64, 1024] if args.quick else [0, 256, 1024, 4096, n]
-    model = random_llama(VOCAB, WIDTH, LAYERS, HEADS) if args.model is None else _load(args.model)
+    model = (random_llama(VOCAB, WIDTH, LAYERS, HEADS) if args.model is None else _load(args.model)).eval()
     mesh = SeqParMesh.from_config({"size": world}, model.config)
-    wrapper = SeqParCausalLM(model.eval(), mesh)
     prompts = _prompts(args, seq_len)
-    rows = [run_mode(wrapper, mode, b, prompts, args.reps) for mode, b in _modes(budgets)]
+    rows = [run_mode(model, mesh, mode, b, prompts, args.reps) for mode, b in _modes(budgets)]
     for row in rows:
         row["speedup"] = rows[0]["seconds"] / row["seconds"]
         assert row["all_gather_bytes"] == row["formula_bytes"], row

@@ -29,6 +29,10 @@ Public API (more arrives with the attention, data and engine modules):
   TRL's ``SFTTrainer``), :func:`accelerate_prepare` (a loop under ``accelerate launch``).
 * :func:`token_logprobs` (:class:`TokenLogprobs`): per-token log-probs and entropies of a sharded batch, this
   rank's or the whole sequence's (post-training losses, docs/post_training.md).
+* :func:`prefill` (:class:`Prefilled`, :class:`ShardedCache`): the prompt's forward over the SP group, leaving
+  each rank the K/V of its tokens; :func:`generate` (:class:`GenerateOutput`): decoding from that sharded
+  cache with HF's sampling arguments; :func:`register_prefill_mode` (:class:`PrefillMode`): another way to
+  run the prefill (docs/inference.md).
 * :func:`memory_estimate` / :func:`largest_seq_len`: the memory model (predicted peak bytes per rank by
   category, docs/memory.md).
 """
@@ -39,14 +43,18 @@ from ds_seqpar.comm.stats import CommRegion, CommStats
 from ds_seqpar.comm.step_watch import StepFailed, StepWatch
 from ds_seqpar.config import SeqParConfigError, SequenceParallelConfig, load_config, parse_section
 from ds_seqpar.data import SeqParCollator, seqpar_dataloader, shard_batch
+from ds_seqpar.integrations import apb_prefill as _apb_prefill  # noqa: F401 - registers prefill "apb", "star"
 from ds_seqpar.integrations.attention_layers import register_attention_layer
 from ds_seqpar.integrations.causal_lm import SeqParCausalLM, SeqParMaskedLM
 from ds_seqpar.integrations.deepspeed import initialize, install_deepspeed_guard, sequence_parallel_scope
+from ds_seqpar.integrations.generation import GenerateOutput, generate
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
 from ds_seqpar.integrations.logprobs import TokenLogprobs, token_logprobs
+from ds_seqpar.integrations.prefill import Prefilled, PrefillMode, prefill, register_prefill_mode
 from ds_seqpar.integrations.recurrent_layers import register_recurrent_layer
 from ds_seqpar.integrations.routing import disable_sequence_parallel, enable_sequence_parallel
 from ds_seqpar.integrations.seq2seq import SeqParSeq2SeqLM, shard_encoder_states
+from ds_seqpar.integrations.sharded_cache import ShardedCache
 from ds_seqpar.layout import LayoutError, register_layout
 from ds_seqpar.loss import sp_causal_lm_loss
 from ds_seqpar.memory import MemoryEstimate, largest_seq_len, memory_estimate
@@ -69,10 +77,13 @@ __all__ = [
     "CommRegion",
     "CommStats",
     "DeepSpeedMPU",
+    "GenerateOutput",
     "LayoutError",
     "MemoryEstimate",
     "MeshCoords",
     "MeshPlan",
+    "PrefillMode",
+    "Prefilled",
     "RankShapeError",
     "SeqParCausalLM",
     "SeqParCollator",
@@ -83,6 +94,7 @@ __all__ = [
     "SeqParSettings",
     "SeqParTrainer",
     "SequenceParallelConfig",
+    "ShardedCache",
     "SparseLayerStats",
     "StepFailed",
     "StepWatch",
@@ -95,6 +107,7 @@ __all__ = [
     "delta_rule_attention",
     "disable_sequence_parallel",
     "enable_sequence_parallel",
+    "generate",
     "initialize",
     "input_layout",
     "largest_seq_len",
@@ -103,9 +116,11 @@ __all__ = [
     "memory_estimate",
     "parse_section",
     "plan_mesh",
+    "prefill",
     "register_attention_layer",
     "register_kernel",
     "register_layout",
+    "register_prefill_mode",
     "register_recurrent_layer",
     "register_schedule",
     "register_sparse_kernel",

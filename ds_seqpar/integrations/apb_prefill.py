@@ -1,14 +1,16 @@
-"""APB and Star Attention prefill of a causal LM under SP (docs/inference.md "APB and Star Attention").
+"""APB and Star Attention prefill modes ``"apb"`` / ``"star"`` of ``ds_seqpar.prefill`` (docs/inference.md "APB and
+Star Attention").
 
-Every SP rank r runs the model on its own rows, positions in brackets (S prompt tokens, P ranks, n = S / P):
+The prompt (S0 tokens) is sharded as for the exact prefill, which for these modes must give SP rank r the
+contiguous block of global positions [r·n, (r+1)·n) (``ring.layout: "contiguous"``; the padding to the
+layout's multiple sits at the end of the last block). Rank r runs the model on its rows, positions in brackets:
 
-    [ ids[:l_a] (0 .. l_a-1) ; ids[S-l_q:] (l_a .. l_a+l_q-1) ; ids[r·n : (r+1)·n] (r·n .. (r+1)·n - 1) ]
-      anchor prefix             embedded query                   this rank's block
+    [ ids[:l_a] (0 .. l_a-1) ; ids[S0-l_q:S0] (l_a .. l_a+l_q-1) ; its block (r·n .. (r+1)·n - 1) ]
+      anchor prefix             embedded query                      as sharded
 
 Every attention layer runs ``parallel/apb.py`` instead of ``ds_seqpar.attention`` (through the context's
-``approximate``); only the block's K/V (RoPE applied) and global positions go into the cache; the anchor
-rows' outputs are dropped. The last prompt position is the last row of rank P - 1: its final hidden state
-``[B, E]`` is broadcast over the SP group and every rank computes the logits ``[B, V]``.
+``approximate``) and stores only the block's K/V in the ``ShardedCache`` (through ``_BlockCache``); the
+anchor rows' outputs are dropped, so the mode returns the block's hidden states and ``prefill`` proceeds as for ``"exact"``.
 """
 
 from __future__ import annotations
@@ -16,148 +18,141 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ds_seqpar.integrations.context import ACTIVE_CONTEXT, CONTEXT_KEY
+from ds_seqpar.integrations.context import ACTIVE_CONTEXT, CONTEXT_KEY, SeqParContext
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
+from ds_seqpar.integrations.prefill import PrefillMode, register_prefill_mode
 from ds_seqpar.integrations.recurrent_layers import has_recurrent_layers
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.parallel.apb import ApbSpec, apb_attention
+from ds_seqpar.settings import input_layout
 
-__all__ = ["ApbAttention", "apb_prefill_logits", "apb_rows", "apb_spec"]
+__all__ = ["ApbAttention", "apb_rows", "apb_spec"]
+
+FIX = "use sequence_parallel.inference.prefill='exact' (prefill(..., mode='exact'))"
 
 
-def apb_spec(mesh: SeqParMesh) -> ApbSpec:
-    """The ``ApbSpec`` of ``sequence_parallel.inference`` (prefill ``apb`` or ``star``)."""
+def apb_spec(mesh: SeqParMesh, star: bool = False) -> ApbSpec:
+    """The ``ApbSpec`` of ``sequence_parallel.inference`` (its defaults when the section says ``exact``); ``star``:
+    passing length 0."""
     inference = mesh.settings.inference
-    if inference is None or inference.prefill not in ("apb", "star"):
-        mode = None if inference is None else inference.prefill
-        raise ValueError(f"sequence_parallel.inference.prefill={mode!r} is not 'apb' or 'star'")
-    return ApbSpec(inference.anchor_len, inference.query_len, inference.passing)
+    if inference is None:
+        from ds_seqpar.config.inference import InferenceConfig
 
-
-def check_prompt(seq_len: int, world: int, spec: ApbSpec) -> int:
-    """The block length n = S / P; raises (before any collective) what APB cannot honour."""
-    if seq_len % world:
-        raise ValueError(
-            f"APB / Star prefill splits the prompt into {world} equal blocks; its length {seq_len} is not a "
-            f"multiple of {world}: left-truncate or extend the prompt to a multiple of {world} tokens"
-        )
-    n = seq_len // world
-    if spec.anchor_len > n or spec.query_len > seq_len:
-        raise ValueError(
-            f"sequence_parallel.inference.anchor_len={spec.anchor_len} / query_len={spec.query_len} do not fit a "
-            f"prompt of {seq_len} tokens on {world} ranks (block {n}): anchor_len <= {n} and query_len <= "
-            f"{seq_len}; lower them"
-        )
-    return n
+        inference = InferenceConfig()
+    return ApbSpec(inference.anchor_len, inference.query_len, 0 if star else inference.passing_len)
 
 
 def apb_rows(
-    input_ids: torch.Tensor, rank: int, world: int, spec: ApbSpec
+    prompt: torch.Tensor, block: torch.Tensor, block_positions: torch.Tensor, spec: ApbSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's rows ``[B, n_a + n]`` of the prompt ``input_ids [B, S]`` and their positions ``[n_a + n]``."""
-    s = input_ids.shape[1]
-    n = check_prompt(s, world, spec)
+    """This rank's rows ``[B, n_a + n]`` and their position ids ``[B, n_a + n]``: anchor prefix and embedded
+    query of ``prompt [B, S0]``, then the rank's ``block [B, n]`` at ``block_positions [B, n]``."""
+    s0, n = prompt.shape[1], block.shape[1]
+    if spec.anchor_len > n or spec.anchor_len > s0 or spec.query_len > s0:
+        raise ValueError(
+            f"sequence_parallel.inference.anchor_len={spec.anchor_len} / query_len={spec.query_len} do not fit a "
+            f"prompt of {s0} tokens in blocks of {n}: anchor_len <= {min(n, s0)} and query_len <= {s0}; lower them"
+        )
     l_a, l_q = spec.anchor_len, spec.query_len
-    ids = torch.cat([input_ids[:, :l_a], input_ids[:, s - l_q :], input_ids[:, rank * n : (rank + 1) * n]], 1)
-    positions = torch.cat([torch.arange(l_a + l_q), torch.arange(rank * n, (rank + 1) * n)])
-    return ids, positions.to(input_ids.device)
+    ids = torch.cat([prompt[:, :l_a], prompt[:, s0 - l_q :], block], dim=1)
+    anchor = torch.arange(l_a + l_q, device=block.device).expand(block.shape[0], -1)
+    return ids, torch.cat([anchor, block_positions.to(block.device)], dim=1)
 
 
 class ApbAttention:
-    """The context's ``approximate``: one layer's APB attention (HF layout in, ``[B, n_a + n, H, D]`` out), and
-    the block's K/V ``[B, H_kv, n, D]`` with their global positions into ``cache.store`` when a cache is given."""
+    """The context's ``approximate``: called as ``ds_seqpar.attention`` is, on this rank's rows ``q [B, n_a + n, H,
+    D]``, ``k, v [B, n_a + n, H_kv, D]``; runs ``apb_attention``. Refuses what it does not honour by name."""
 
-    def __init__(
-        self, mesh: SeqParMesh, spec: ApbSpec, block: int, layer_of: dict[int, int], cache: Any
-    ) -> None:
-        self.mesh, self.spec, self.cache, self.layer_of = mesh, spec, cache, layer_of
-        rank = mesh.coords.sp_rank
-        self.positions = torch.arange(rank * block, (rank + 1) * block)
+    def __init__(self, spec: ApbSpec) -> None:
+        self.spec = spec
 
-    def __call__(
-        self, module, query, key, value, *, causal, scaling, window, chunk, softcap, sinks, alibi_slopes
-    ):
-        name = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
-        refused = {
-            "is_causal": None if causal else False,
-            "attention chunk": chunk,
-            "alibi_slopes": alibi_slopes,
-        }
-        refused = {k: v for k, v in refused.items() if v is not None}
-        if refused:
-            what = next(iter(refused))
+    def __call__(self, q, k, v, *, mesh, causal, softmax_scale, window, doc_ids, softcap, sinks, chunk,
+                 alibi_slopes, layer=None, **_unused) -> torch.Tensor:  # fmt: skip
+        refused = {"is_causal=False": not causal, "an attention chunk": chunk is not None,
+                   "ALiBi": alibi_slopes is not None, "document ids": doc_ids is not None}  # fmt: skip
+        what = [k for k, v in refused.items() if v]
+        if what:
             raise UnsupportedModelError(
-                f"{name}: APB / Star prefill runs causal softmax attention with an optional sliding window, softcap "
-                f"and sinks; this layer's {what} is not honoured by it: use sequence_parallel.inference.prefill="
-                "'exact' for this model"
+                f"layer {layer}: APB / Star prefill runs causal softmax attention (with window, softcap and sinks); "
+                f"this layer's {what[0]} is not honoured by it: {FIX}"
             )
-        out = apb_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mesh=self.mesh,
-                            spec=self.spec, softmax_scale=scaling, window=window, softcap=softcap, sinks=sinks)  # fmt: skip
-        if self.cache is not None:
-            n_a = self.spec.anchor_rows
-            layer = self.layer_of.get(id(module), getattr(module, "layer_idx", None))
-            self.cache.store(layer, key[:, :, n_a:], value[:, :, n_a:], self.positions.to(key.device))
-        return out
+        return apb_attention(q, k, v, mesh=mesh, spec=self.spec, softmax_scale=softmax_scale, window=window,
+                             softcap=softcap, sinks=sinks)  # fmt: skip
 
 
-def _refuse_model(wrapper: Any, doc_ids: torch.Tensor | None) -> None:
-    hf = wrapper._parts.hf
+class _BlockCache:
+    """Stands for the ``ShardedCache`` during an APB / Star forward: ``store`` keeps the block's K/V only
+    (the rows after the ``anchor_rows`` anchor rows)."""
+
+    decoding = False
+
+    def __init__(self, cache: Any, anchor_rows: int) -> None:
+        self.cache, self.anchor_rows = cache, anchor_rows
+
+    def store(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.cache.store(layer, key[:, :, self.anchor_rows :], value[:, :, self.anchor_rows :])
+
+
+def _check(wrapper: Any) -> None:
+    """What APB / Star cannot honour, refused by name before any collective."""
+    hf, mesh = wrapper._parts.hf, wrapper.mesh
     name = type(hf).__name__
     if has_recurrent_layers(hf):
         raise UnsupportedModelError(
-            f"{name} has recurrent layers; APB / Star prefill approximates attention only and would feed the "
-            "recurrent states with block-local inputs: use sequence_parallel.inference.prefill='exact'"
+            f"{name} has recurrent layers; APB / Star prefill approximates softmax attention only and would run the "
+            f"recurrent layers on [anchor ; block] rows as if they were one sequence: {FIX}"
         )
-    if wrapper._parts.positions is not None:
+    layout, world = input_layout(mesh), mesh.sp_size
+    probe = layout.multiple * world  # any valid length: every rank must hold one contiguous block of it
+    blocks = [layout.local_positions(probe, r) for r in range(world)]
+    contiguous = all(torch.equal(b, torch.arange(r * len(b), (r + 1) * len(b))) for r, b in enumerate(blocks))
+    if mesh.settings.dynamic_degree or not contiguous:
         raise UnsupportedModelError(
-            f"{name} derives its position ids from the token ids; APB / Star rows repeat the anchor tokens at "
-            "their own positions: use sequence_parallel.inference.prefill='exact'"
+            f"APB / Star prefill needs every SP rank to hold one contiguous block of the prompt; "
+            f"sequence_parallel.ring.layout={layout.ring.name!r} (dynamic_degree={mesh.settings.dynamic_degree}) does "
+            "not: set ring.layout='contiguous' and dynamic_degree=false for this prefill, or " + FIX
         )
-    if doc_ids is not None:
+
+
+def _forward(wrapper: Any, batch: dict[str, Any], ctx: SeqParContext, star: bool) -> torch.Tensor:
+    """Hidden states ``[B, n, E]`` of this rank's block after the APB / Star forward of its rows."""
+    if batch["doc_ids"] is not None:
         raise ValueError(
-            "doc_ids with an APB / Star prefill: the anchor and passing blocks would cross document boundaries; "
-            "prefill one document per row, or use sequence_parallel.inference.prefill='exact'"
+            "APB / Star prefill of packed prompts (position_ids restarting): the anchor and passing blocks would "
+            f"cross documents; prefill one document per row, or {FIX}"
         )
-
-
-def apb_prefill_logits(
-    wrapper: Any,
-    input_ids: torch.Tensor,
-    spec: ApbSpec,
-    cache: Any = None,
-    doc_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Logits ``[B, V]`` of the last prompt position (the same on every SP rank) after an APB / Star prefill of the
-    whole prompt ``input_ids [B, S]`` (every rank passes the same ids) through ``wrapper`` (a ``SeqParCausalLM``);
-    fills ``cache`` (``store(layer, key, value, positions)``) with this rank's block. Runs under no_grad."""
-    _refuse_model(wrapper, doc_ids)
-    mesh = wrapper.mesh
-    world, rank = mesh.sp_size, mesh.coords.sp_rank
-    ids, positions = apb_rows(input_ids, rank, world, spec)
-    block = input_ids.shape[1] // world
-    ctx = wrapper._context(None)
-    ctx.approximate = ApbAttention(mesh, spec, block, wrapper._parts.layer_of, cache)
+    spec = apb_spec(wrapper.mesh, star)
+    ids, positions = apb_rows(batch["prompt_ids"], batch["input_ids"], batch["position_ids"], spec)
+    cache = ctx.cache
+    ctx.approximate = ApbAttention(spec)
+    ctx.cache = None if cache is None else _BlockCache(cache, spec.anchor_rows)
     token = ACTIVE_CONTEXT.set(ctx)
     try:
-        with torch.no_grad():
-            out = wrapper._parts.decoder(input_ids=ids, position_ids=positions.expand(ids.shape[0], -1),
-                                         use_cache=False, **{CONTEXT_KEY: ctx})  # fmt: skip
-            hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-            wrapper._check_calls(ctx)
-            last = _from_last_rank(mesh, hidden[:, -1:].contiguous())
-            return wrapper._parts.logits(last)[:, -1]
+        out = wrapper._parts.decoder(
+            input_ids=ids, position_ids=positions, use_cache=False, **{CONTEXT_KEY: ctx}
+        )
     finally:
         ACTIVE_CONTEXT.reset(token)
+        ctx.cache, ctx.approximate = cache, None
+    wrapper._check_calls(ctx)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return hidden[:, spec.anchor_rows :]
 
 
-def _from_last_rank(mesh: SeqParMesh, hidden: torch.Tensor) -> torch.Tensor:
-    """The last SP rank's ``hidden [B, 1, E]`` on every SP rank (one broadcast, counted as ``broadcast``)."""
-    members = mesh.members["sp"]
-    if len(members) == 1:
-        return hidden
-    dist.broadcast(hidden, src=members[-1], group=mesh.group("sp"))
-    if mesh.coords.sp_rank == len(members) - 1:
-        mesh.comm_stats.record_tensors("broadcast", hidden, peers=members[:-1])
-    return hidden
+register_prefill_mode(
+    PrefillMode(
+        "apb",
+        "APB: anchor block + blocks passed by the earlier ranks + own block; approximate (docs/inference.md)",
+        lambda wrapper, batch, ctx: _forward(wrapper, batch, ctx, star=False),
+        _check,
+    )
+)
+register_prefill_mode(
+    PrefillMode(
+        "star",
+        "Star Attention: anchor block + own block; approximate, no collective in attention (docs/inference.md)",
+        lambda wrapper, batch, ctx: _forward(wrapper, batch, ctx, star=True),
+        _check,
+    )
+)

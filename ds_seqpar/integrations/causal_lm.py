@@ -19,6 +19,7 @@ from ds_seqpar.integrations.attention_layers import (
     unroute_attention_layers,
 )
 from ds_seqpar.integrations.context import ACTIVE_CONTEXT, CONTEXT_KEY, SeqParContext
+from ds_seqpar.integrations.generation import generate
 from ds_seqpar.integrations.hf_attention import FEED_FORWARD_LAYER_TYPES
 from ds_seqpar.integrations.hf_model import (
     PROBE_ATTENTION,
@@ -34,6 +35,7 @@ from ds_seqpar.integrations.hf_model import (
 from ds_seqpar.integrations.inline_adapters import refuse_unroutable_layers
 from ds_seqpar.integrations.logprobs import TokenLogprobs, sharded_logprobs
 from ds_seqpar.integrations.positions import PositionFn, PositionRule, model_position_ids, position_rule_of
+from ds_seqpar.integrations.prefill import WRAPPER_CLASS
 from ds_seqpar.integrations.recurrent_layers import has_recurrent_layers, refuse_recurrent_layers
 from ds_seqpar.integrations.routing import enable_sequence_parallel
 from ds_seqpar.loss import sp_causal_lm_loss
@@ -148,6 +150,11 @@ class SeqParCausalLM(torch.nn.Module):
     def config(self) -> Any:
         return self._parts.hf.config
 
+    def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        """``ds_seqpar.generate`` with this wrapper: sharded prefill, then decoding from the sharded cache
+        (docs/inference.md)."""
+        return generate(self, input_ids, **kwargs)
+
     def _hidden(
         self,
         input_ids: torch.Tensor,
@@ -164,10 +171,16 @@ class SeqParCausalLM(torch.nn.Module):
         if self.memory.plan is not None:
             zero3 = any(hasattr(p, "ds_id") for p in itertools.islice(parts.decoder.parameters(), 1))
             self.memory.plan.plan(input_ids.shape[-1], input_ids.device, agree=zero3)
-        ctx = ctx or self._context(doc_ids)
+        return self._run_decoder(input_ids, position_ids, ctx or self._context(doc_ids), **decoder_inputs)
+
+    def _run_decoder(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: SeqParContext, **decoder_inputs: Any
+    ) -> torch.Tensor:
+        """The decoder on ``input_ids [B, n]`` at ``position_ids`` with ``ctx`` -> final hidden states ``[B, n, E]``;
+        every layer's call is checked after (``_check_calls``)."""
         token = ACTIVE_CONTEXT.set(ctx)
         try:
-            hidden = parts.decoder(
+            hidden = self._parts.decoder(
                 input_ids=input_ids,
                 position_ids=position_ids,
                 use_cache=False,
@@ -506,3 +519,6 @@ class SeqParMaskedLM(SeqParCausalLM):
     ) -> dict[str, torch.Tensor]:
         """Loss and accuracy over the masked tokens of the whole SP group (see ``SeqParCausalLM.evaluate``)."""
         return self._evaluate(input_ids, labels, position_ids, doc_ids, extra)
+
+
+WRAPPER_CLASS.append(SeqParCausalLM)  # prefill / generate wrap HF models in it (integrations/prefill.py)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ds_seqpar.integrations.sharded_cache import ShardedCache
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.parallel.work import WorkCounter
 
@@ -36,8 +37,10 @@ class SeqParContext:
     encoder shard's key mask ``cross_mask [B, m]`` (None: no padding) and ``cross_schedule``;
     ``cross_calls`` counts them. ``local_attention``: the name of a transformers attention implementation
     that every call runs instead, unsplit (a replicated encoder's forward over its whole input).
-    ``approximate``: ``fn(module, query, key, value, **flags) -> out [B, n, H, D]`` that every self-attention
-    call runs instead of ``ds_seqpar.attention`` (APB / Star Attention prefill, docs/inference.md).
+    ``cache``: the sharded KV cache of ``ds_seqpar.prefill`` / decoding (``sharded_cache.py``): the attention
+    layers store this rank's K/V into it, or, while ``cache.decoding``, append to and read from it.
+    ``approximate``: a callable with ``ds_seqpar.attention``'s signature that every self-attention call runs
+    instead of it (APB / Star Attention prefill, docs/inference.md).
     """
 
     mesh: SeqParMesh
@@ -55,6 +58,7 @@ class SeqParContext:
     cross_active: set[int] = field(default_factory=set)
     cross_calls: int = 0
     local_attention: str | None = None
+    cache: ShardedCache | None = None
     approximate: Any = None  # an approximate prefill's attention (integrations/apb_prefill.py), else None
 
     def record(

@@ -59,7 +59,7 @@ def _context(module: torch.nn.Module, kwargs: dict, cache: Any) -> SeqParContext
     if cache is not None or kwargs.get("use_cache"):
         raise UnsupportedModelError(
             f"{name}: a KV cache is in use (generation); sequence-parallel DeepSeek sparse attention needs the "
-            "whole sequence at once: pass use_cache=False, and generate with an unwrapped model"
+            "whole sequence at once: pass use_cache=False, and generate with ds_seqpar.generate (docs/inference.md) or an unwrapped model"
         )
     if module.training and module.attention_dropout:
         raise UnsupportedModelError(

@@ -10,8 +10,10 @@ forward kwargs passed through (``position_ids``, ``sliding_window`` for sliding 
 ``attention_layers.py``), ``is_causal``, ``dropout`` only 0) and refuses by name every
 other keyword whose value would, and any explicit ``attention_mask`` (masks come from global positions
 and the ``doc_ids`` of the batch), before any collective. Calls without a ds_seqpar context, with dropout,
-or with a KV cache (q_len != k_len, i.e. generation) raise a clear error instead of computing something
-wrong. Cross-attention calls (encoder-decoders) go to ``ds_seqpar.cross_attention``.
+or with an HF KV cache (q_len != k_len) raise a clear error instead of computing something wrong. Under
+``ds_seqpar.prefill`` (``ctx.cache``) every call also stores this rank's K/V in the sharded cache; during a
+decoding step the call goes to ``decode.decode_attention`` (docs/inference.md). Cross-attention calls
+(encoder-decoders) go to ``ds_seqpar.cross_attention``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 from ds_seqpar.integrations.context import CONTEXT_KEY, SeqParContext, current_context
+from ds_seqpar.integrations.decode import decode_attention
 from ds_seqpar.integrations.hf_model import WINDOW_FROM_CONFIG, UnsupportedModelError
 from ds_seqpar.parallel.cross import cross_attention
 from ds_seqpar.parallel.usp import attention
@@ -156,7 +159,7 @@ def _check_call(name: str, dropout: float, query: torch.Tensor, key: torch.Tenso
         raise UnsupportedModelError(
             f"{name}: q_len={query.shape[2]} != k_len={key.shape[2]}: a KV cache is in use, or the layer attends "
             "to keys that are not one per token (compressed or extra keys); sequence-parallel attention needs one "
-            "key per query token: pass use_cache=False, and generate with an unwrapped model"
+            "key per query token: pass use_cache=False, and generate with ds_seqpar.generate (docs/inference.md) or an unwrapped model"
         )
 
 
@@ -206,19 +209,21 @@ def seqpar_attention_forward(
     if id(module) in ctx.cross_active:
         return _cross_attention_call(module, name, ctx, query, key, value, dropout, scaling,
                                      sliding_window, softcap, s_aux, is_causal), None  # fmt: skip
-    _check_call(name, dropout, query, key)
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     if sliding_window is _UNSET:  # not passed: the module's window (its mask), or the config's (Phi-MoE)
         sliding_window = _module_window(module)
     window, chunk = _window(name, sliding_window), layer_chunk(module)
+    if ctx.cache is not None and ctx.cache.decoding:
+        if dropout:
+            _check_call(name, dropout, query, key)
+        return decode_attention(module, ctx, name, query, key, value, scaling=scaling, window=window,
+                                softcap=softcap or None, sinks=_sinks(name, s_aux, query.shape[1]), causal=causal,
+                                chunk=chunk, alibi=alibi_slopes is not None), None  # fmt: skip
+    _check_call(name, dropout, query, key)
+    if ctx.cache is not None:
+        ctx.cache.store(ctx.layer_of.get(id(module), getattr(module, "layer_idx", None)), key, value)
     query, key, value, v_dim = _common_head_dim(query, key, value)
-    if ctx.approximate is not None:  # APB / Star Attention prefill (docs/inference.md)
-        out = ctx.approximate(module, query, key, value, causal=causal, scaling=scaling, window=window,
-                              chunk=chunk, softcap=softcap or None, sinks=_sinks(name, s_aux, query.shape[1]),
-                              alibi_slopes=alibi_slopes)  # fmt: skip
-        ctx.record(module, window, causal, chunk)
-        return (out if v_dim is None else out[..., :v_dim]), None
-    out = attention(
+    out = (ctx.approximate or attention)(  # approximate: APB / Star prefill (docs/inference.md)
         query.transpose(1, 2),
         key.transpose(1, 2),
         value.transpose(1, 2),

@@ -43,7 +43,7 @@ def llama4_attention_forward(
     if cache is not None:
         raise RuntimeError(
             "Llama4TextAttention under ds_seqpar: a KV cache is in use (generation); pass use_cache=False, and "
-            "generate with an unwrapped model"
+            "generate with ds_seqpar.generate (docs/inference.md) or an unwrapped model"
         )
     family = sys.modules[type(self).__module__]
     shape = (*hidden_states.shape[:-1], -1, self.head_dim)

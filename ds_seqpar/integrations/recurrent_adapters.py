@@ -37,7 +37,7 @@ def _context(module: torch.nn.Module, kwargs: dict, cache: Any) -> Any:
     if cache is not None or kwargs.get("use_cache"):
         raise RuntimeError(
             f"{name}: a recurrent cache is in use (generation); sequence-parallel recurrent layers need the whole "
-            "sequence at once: pass use_cache=False, and generate with an unwrapped model"
+            "sequence at once: pass use_cache=False, and generate with ds_seqpar.generate (docs/inference.md) or an unwrapped model"
         )
     return ctx
 
