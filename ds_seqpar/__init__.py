@@ -45,6 +45,7 @@ from ds_seqpar.comm.stats import CommRegion, CommStats
 from ds_seqpar.comm.step_watch import StepFailed, StepWatch
 from ds_seqpar.config import SeqParConfigError, SequenceParallelConfig, load_config, parse_section
 from ds_seqpar.data import SeqParCollator, seqpar_dataloader, shard_batch
+from ds_seqpar.integrations import apb_prefill as _apb_prefill  # noqa: F401 - registers prefill "apb", "star"
 from ds_seqpar.integrations.attention_layers import register_attention_layer
 from ds_seqpar.integrations.causal_lm import SeqParCausalLM, SeqParMaskedLM
 from ds_seqpar.integrations.deepspeed import initialize, install_deepspeed_guard, sequence_parallel_scope

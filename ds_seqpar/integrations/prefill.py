@@ -161,7 +161,7 @@ def prefill(
     *,
     mesh: SeqParMesh | None = None,
     position_ids: torch.Tensor | None = None,
-    mode: str = "exact",
+    mode: str | None = None,
     reserve: int = 0,
 ) -> Prefilled:
     """The prompt's forward over the SP group; returns its last logits and this rank's cache.
@@ -172,11 +172,13 @@ def prefill(
         input_ids: ``[B, S0]``, the same on every SP rank (checked).
         position_ids: None, or ``[B, S0]`` restarting at 0 per document: packed prompts (each document sees only
             itself; decoding continues each row's last document).
-        mode: a name of ``PREFILL_MODES``.
+        mode: a name of ``PREFILL_MODES``; None: ``sequence_parallel.inference.prefill`` (default ``"exact"``).
         reserve: cache slots each layer allocates up front for decoded tokens (the cache grows otherwise).
     """
     wrapper = causal_wrapper(model, mesh)
     mesh = wrapper.mesh
+    if mode is None:
+        mode = "exact" if mesh.settings.inference is None else mesh.settings.inference.prefill
     if mode not in PREFILL_MODES:
         raise ValueError(
             f"prefill mode={mode!r} is not one of {sorted(PREFILL_MODES)} (register_prefill_mode)"
@@ -187,6 +189,7 @@ def prefill(
     ids = _check_prompt(input_ids, wrapper, position_ids)
     b, s0 = ids.shape
     batch = shard_batch({"input_ids": ids, "position_ids": position_ids}, mesh, layout=input_layout(mesh))
+    batch["prompt_ids"] = ids  # the whole prompt, for modes that need more than the shard (APB's anchor)
     layout = input_layout(mesh).for_batch(batch["doc_ids"])
     if layout.world != mesh.sp_size or layout.group_degree is not None:
         raise UnsupportedModelError(
