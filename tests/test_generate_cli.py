@@ -22,7 +22,7 @@ import torch.distributed as dist
 import ds_seqpar
 from ds_seqpar import SeqParConfigError
 from ds_seqpar.cli import DEFAULT_CONFIG
-from ds_seqpar.cli.generate_args import parse_args
+from ds_seqpar.cli.generate_args import build_parser, parse_args
 from ds_seqpar.user_errors import UsageError
 from tests.helpers.cli_runs import run_cli
 from tests.helpers.harness import run_launcher
@@ -87,6 +87,19 @@ def test_generate_cli_sampling_under_the_deepspeed_launcher(tmp_path):
     torch.manual_seed(7)
     ref = model.generate(ids, max_new_tokens=10, do_sample=True, temperature=0.9, top_k=20)
     assert row["new_token_ids"] == ref[0, ids.shape[1] :].tolist() and row["sp_size"] == 2
+
+
+def test_help_documents_every_flag():
+    parser = build_parser()
+    text, doc = parser.format_help(), (REPO / "docs" / "inference_cli.md").read_text()
+    for action in parser._actions:
+        if action.dest in ("help", "local_rank"):
+            continue
+        assert action.help, f"{action.option_strings} has no help text"
+        assert all(option in text for option in action.option_strings)
+        assert f"`{action.option_strings[0]}" in doc, (
+            f"{action.option_strings[0]} is not in docs/inference_cli.md"
+        )
 
 
 def _ids(model_dir: Path, text: str) -> list[int]:

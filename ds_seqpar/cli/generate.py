@@ -96,7 +96,9 @@ def _load_model(args: argparse.Namespace) -> torch.nn.Module:
             args.model, dtype=dtype, trust_remote_code=args.trust_remote_code
         )
     if torch.cuda.is_available():
-        model = model.to(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        model = model.to(device)
     return model.eval()
 
 
