@@ -1,4 +1,4 @@
-"""Recurrent layers decoding from the sharded prefill (docs/inference_recurrent.md): the state ``ds_seqpar.prefill``
+"""Recurrent layers decoding from the sharded prefill (docs/inference.md "Recurrent layers"): the state ``ds_seqpar.prefill``
 keeps equals the single-process HF cache's, and generation equals ``model.generate``.
 
 Tiny float32 Qwen3-Next / Qwen3.5 (gated DeltaNet + softmax attention), 4 and 2 gloo ranks. The kept state of

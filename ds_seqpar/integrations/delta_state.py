@@ -1,5 +1,5 @@
 """The decoding state of conv + delta-rule layers (gated DeltaNet) left by the sharded prefill, and one decoding
-step from it (docs/inference_recurrent.md).
+step from it (docs/inference.md "Recurrent layers").
 
 Legend: P SP ranks, B batch, n this rank's prompt rows, C conv channels (q, k, v packed), K the conv width,
 H value heads, H_k key heads, d_k / d_v head dims, S0 prompt tokens.
@@ -17,10 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from ds_seqpar.integrations.sharded_cache import ShardedCache
+from ds_seqpar.integrations.sharded_cache import ShardedCache, sp_reducer
 
 __all__ = ["DeltaState", "conv_step", "delta_step", "keep_state", "neutral_padding"]
 
@@ -57,8 +56,7 @@ def keep_state(cache: ShardedCache, layer: int, mixed: torch.Tensor, width: int,
         )
     rows = _conv_rows(mixed, cache, width)
     buf = torch.cat([rows.float().flatten(), share.float().flatten()])
-    if cache.mesh.sp_size > 1:
-        dist.all_reduce(buf, group=cache.mesh.group("sp"))
+    sp_reducer(cache.mesh).sum_(buf)
     conv = buf[: rows.numel()].view(rows.shape).to(mixed.dtype)
     cache.states[layer] = DeltaState(conv, buf[rows.numel() :].view(share.shape).to(share.dtype))
 

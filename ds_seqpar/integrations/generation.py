@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ds_seqpar.integrations.decode import decode_step
 from ds_seqpar.integrations.hf_model import UnsupportedModelError, unwrap_hf_model
 from ds_seqpar.integrations.prefill import causal_wrapper, model_device, prefill
-from ds_seqpar.integrations.sharded_cache import ShardedCache
+from ds_seqpar.integrations.sharded_cache import ShardedCache, sp_reducer
 from ds_seqpar.mesh import SeqParMesh
 
 __all__ = ["GenerateOutput", "generate"]
@@ -73,13 +72,8 @@ def _config(hf: torch.nn.Module, generation_config: Any, sampling: dict[str, Any
 
 def _broadcast(tokens: torch.Tensor, mesh: SeqParMesh) -> torch.Tensor:
     """The SP group's first rank's ``tokens [B]`` on every rank of the group."""
-    if mesh.sp_size > 1:
-        tokens = tokens.contiguous()
-        leader = mesh.members["sp"][0]
-        dist.broadcast(tokens, src=leader, group=mesh.group("sp"))
-        if mesh.coords.sp_rank == 0:
-            nbytes = tokens.numel() * tokens.element_size()
-            mesh.comm_stats.record_peers("broadcast", {m: nbytes for m in mesh.members["sp"] if m != leader})
+    tokens = tokens.contiguous()
+    sp_reducer(mesh).broadcast_(tokens)
     return tokens
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ds_seqpar.data import shard_batch
 from ds_seqpar.integrations.context import SeqParContext
 from ds_seqpar.integrations.hf_model import UnsupportedModelError, unwrap_hf_model
-from ds_seqpar.integrations.sharded_cache import ShardedCache
+from ds_seqpar.integrations.sharded_cache import ShardedCache, sp_reducer
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.parallel.agree import check_same_inputs
 from ds_seqpar.settings import input_layout
@@ -213,8 +213,7 @@ def prefill(
         at = torch.nonzero(order == s0 - 1).flatten()
         if at.numel():
             last = hidden[:, int(at[0])]
-        if mesh.sp_size > 1:
-            last = last.contiguous()
-            dist.all_reduce(last, group=mesh.group("sp"))
+        last = last.contiguous()
+        sp_reducer(mesh).sum_(last)
         logits = wrapper._parts.logits(last[:, None])[:, 0].float()
     return Prefilled(logits, cache)

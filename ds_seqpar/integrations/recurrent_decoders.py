@@ -1,5 +1,5 @@
 """The recurrent layers that decode from the state the sharded prefill leaves: a registry of layer class ->
-``RecurrentDecoder`` (docs/inference_recurrent.md).
+``RecurrentDecoder`` (docs/inference.md "Recurrent layers").
 
 A routed recurrent layer (``recurrent_layers.py``) with an entry keeps its decoding state in
 ``ShardedCache.states`` while ``ds_seqpar.prefill`` runs its adapter, and while ``cache.decoding`` its routed

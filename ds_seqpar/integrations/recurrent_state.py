@@ -2,7 +2,7 @@
 
 Softmax attention layers that call the ``"ds_seqpar"`` attention decode through ``decode.py``. A recurrent
 layer decodes only with an entry in ``RECURRENT_DECODERS`` (``recurrent_decoders.py``: layer class -> how its
-state is stepped while decoding, docs/inference_recurrent.md); layers routed around the attention interface (``attention_layers.py``: ALiBi,
+state is stepped while decoding, docs/inference.md "Recurrent layers"); layers routed around the attention interface (``attention_layers.py``: ALiBi,
 inline softmax attention, Llama 4's) are refused by name.
 """
 

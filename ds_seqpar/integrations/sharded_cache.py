@@ -19,9 +19,15 @@ from typing import Any
 
 import torch
 
+from ds_seqpar.comm.reduce import GroupReducer
 from ds_seqpar.mesh import SeqParMesh
 
-__all__ = ["LayerShard", "ShardedCache"]
+__all__ = ["LayerShard", "ShardedCache", "sp_reducer"]
+
+
+def sp_reducer(mesh: SeqParMesh) -> GroupReducer:
+    """All-reduce / broadcast over the SP group, bytes recorded in ``mesh.comm_stats`` (``comm/reduce.py``)."""
+    return GroupReducer(mesh.group("sp"), mesh.members["sp"], mesh.comm_stats)
 
 
 @dataclass
@@ -147,5 +153,7 @@ class ShardedCache:
         return keys, values, mask
 
     def bytes(self) -> int:
-        """Bytes of the cached K/V entries on this rank (recurrent states not counted)."""
-        return sum(shard.bytes() for shard in self.layers.values())
+        """Bytes this rank keeps: its K/V entries and the recurrent layers' states (each state's ``bytes()``)."""
+        return sum(shard.bytes() for shard in self.layers.values()) + sum(
+            s.bytes() for s in self.states.values()
+        )
