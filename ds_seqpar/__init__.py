@@ -32,7 +32,8 @@ Public API (more arrives with the attention, data and engine modules):
 * :func:`prefill` (:class:`Prefilled`, :class:`ShardedCache`): the prompt's forward over the SP group, leaving
   each rank the K/V of its tokens; :func:`generate` (:class:`GenerateOutput`): decoding from that sharded
   cache with HF's sampling arguments; :func:`register_prefill_mode` (:class:`PrefillMode`): another way to
-  run the prefill (docs/inference.md).
+  run the prefill (docs/inference.md); :func:`register_recurrent_decoder` (:class:`RecurrentDecoder`): a
+  recurrent layer that decodes from the state the prefill keeps (docs/inference.md).
 * :func:`memory_estimate` / :func:`largest_seq_len` / :func:`prefill_memory_estimate` /
   :func:`decode_cache_bytes`: the memory model (predicted peak bytes per rank by
   category, docs/memory.md).
@@ -44,6 +45,7 @@ from ds_seqpar.comm.stats import CommRegion, CommStats
 from ds_seqpar.comm.step_watch import StepFailed, StepWatch
 from ds_seqpar.config import SeqParConfigError, SequenceParallelConfig, load_config, parse_section
 from ds_seqpar.data import SeqParCollator, seqpar_dataloader, shard_batch
+from ds_seqpar.integrations import apb_prefill as _apb_prefill  # noqa: F401 - registers prefill "apb", "star"
 from ds_seqpar.integrations.attention_layers import register_attention_layer
 from ds_seqpar.integrations.causal_lm import SeqParCausalLM, SeqParMaskedLM
 from ds_seqpar.integrations.deepspeed import initialize, install_deepspeed_guard, sequence_parallel_scope
@@ -51,6 +53,7 @@ from ds_seqpar.integrations.generation import GenerateOutput, generate
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
 from ds_seqpar.integrations.logprobs import TokenLogprobs, token_logprobs
 from ds_seqpar.integrations.prefill import Prefilled, PrefillMode, prefill, register_prefill_mode
+from ds_seqpar.integrations.recurrent_decoders import RecurrentDecoder, register_recurrent_decoder
 from ds_seqpar.integrations.recurrent_layers import register_recurrent_layer
 from ds_seqpar.integrations.routing import disable_sequence_parallel, enable_sequence_parallel
 from ds_seqpar.integrations.seq2seq import SeqParSeq2SeqLM, shard_encoder_states
@@ -91,6 +94,7 @@ __all__ = [
     "PrefillMode",
     "Prefilled",
     "RankShapeError",
+    "RecurrentDecoder",
     "SeqParCausalLM",
     "SeqParCollator",
     "SeqParConfigError",
@@ -129,6 +133,7 @@ __all__ = [
     "register_kernel",
     "register_layout",
     "register_prefill_mode",
+    "register_recurrent_decoder",
     "register_recurrent_layer",
     "register_schedule",
     "register_sparse_kernel",
