@@ -62,6 +62,12 @@ def prefill_memory_estimate(
         seq_len=(seq_len, 1), micro_batch=(micro_batch, 1), reserve=(reserve, 0),
     )  # fmt: skip
     settings = _settings(config, model_config)
+    mode = "exact" if settings.inference is None else settings.inference.prefill
+    if mode != "exact":
+        raise ValueError(
+            f"prefill_memory_estimate models the exact prefill; sequence_parallel.inference.prefill={mode!r} "
+            "keeps other K/V: estimate with inference.prefill='exact' and measure that mode (LiveBytes)"
+        )
     dims = _Dims.read(model_config)
     attn_layers, recurrent = _layer_kinds(model_config, dims.layers)
     if recurrent and state_bytes is None:
