@@ -158,6 +158,14 @@ def test_prefill_estimate_counts_the_cache_and_refuses_by_name():
     both = prefill_memory_estimate(hybrid, 4096, {"size": 1}, state_bytes=1000)
     assert both.device["recurrent states (replicated)"] == 1000
     assert both.device["KV cache (prefill: this rank's tokens)"] == 4096 * (2 * 2 * 16 * 4 + 8)  # 1 layer
+    with pytest.raises(ValueError, match=r"lists its layers in hybrid_override_pattern: pass .* layer_types"):
+        prefill_memory_estimate({**LLAMA, "hybrid_override_pattern": "M*M*"}, 4096, {"size": 1})
+    with pytest.raises(
+        ValueError, match=r"inference\.prefill='star' keeps other K/V: estimate with .*'exact'"
+    ):
+        prefill_memory_estimate(
+            LLAMA, 4096, {"size": 2, "ulysses_degree": 1, "inference": {"prefill": "star"}}
+        )
     with pytest.raises(ValueError, match=r"reserve=-1 must be an integer >= 0"):
         prefill_memory_estimate(LLAMA, 4096, {"size": 1}, reserve=-1)
     with pytest.raises(ValueError, match=r"bytes_per_element=3 must be 2"):

@@ -20,6 +20,8 @@ from ds_seqpar.parallel.ulysses_pipeline import HeadGroups
 from ds_seqpar.settings import SeqParSettings, model_value
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# how hybrid configs without layer_types list their layers (Jamba, Nemotron-H, Bamba / Granite-MoE-hybrid)
+OTHER_LAYER_KEYS = ("layers_block_type", "hybrid_override_pattern", "attn_layer_indices")
 WEIGHTS = "weights"
 PREFILL_CACHE = "KV cache (prefill: this rank's tokens)"
 RESERVED = "KV cache (reserved slots for decoded tokens)"
@@ -60,6 +62,12 @@ def prefill_memory_estimate(
         seq_len=(seq_len, 1), micro_batch=(micro_batch, 1), reserve=(reserve, 0),
     )  # fmt: skip
     settings = _settings(config, model_config)
+    mode = "exact" if settings.inference is None else settings.inference.prefill
+    if mode != "exact":
+        raise ValueError(
+            f"prefill_memory_estimate models the exact prefill; sequence_parallel.inference.prefill={mode!r} "
+            "keeps other K/V: estimate with inference.prefill='exact' and measure that mode (LiveBytes)"
+        )
     dims = _Dims.read(model_config)
     attn_layers, recurrent = _layer_kinds(model_config, dims.layers)
     if recurrent and state_bytes is None:
@@ -70,11 +78,11 @@ def prefill_memory_estimate(
     b, batch = bytes_per_element, micro_batch
     n, held = _local_tokens(settings, seq_len)
     t = _Tensors.of(dims, n, batch, b, settings.ulysses_degree)
-    slot = _Tensors.of(dims, 1, batch, b, settings.ulysses_degree).kv  # one token's K or V, one layer
+    # K and V of one token in one layer (token layout), and its global index (int64)
+    slot = 2 * _Tensors.of(dims, 1, batch, b, settings.ulysses_degree).kv + 8
     est = MemoryEstimate()
     est.device[WEIGHTS] = dims.params()[0] * b
     est.resting.add(WEIGHTS)
-    slot = 2 * slot + 8  # K and V of one token in one layer, and its global index (int64)
     est.device[PREFILL_CACHE] = attn_layers * held * slot
     if reserve:
         est.device[RESERVED] = attn_layers * reserve * slot
@@ -127,6 +135,12 @@ def decode_cache_bytes(
 
 def _layer_kinds(model_config: Any, layers: int) -> tuple[int, int]:
     """(attention layers, recurrent layers) from the config's ``layer_types`` (all attention without)."""
+    other = [key for key in OTHER_LAYER_KEYS if model_value(model_config, key) is not None]
+    if other:
+        raise ValueError(
+            f"the prefill memory model reads the attention layers from layer_types; this config lists its layers "
+            f"in {other[0]}: pass a dict of the config with layer_types ('full_attention' per attention layer)"
+        )
     types = model_value(model_config, "layer_types") or ()
     if not types:
         return layers, 0
