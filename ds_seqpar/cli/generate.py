@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         f"generate: {mesh.sp_size} ranks per sequence, {mesh.settings.attention}, layout {mesh.settings.ring.layout} | "
         f"{len(args.prompts)} prompt(s), up to {args.max_new_tokens} new tokens, "
         + ("sampling" if args.do_sample else "greedy")
-        + f", {args.dtype}, prefill {args.prefill_mode}"
+        + f", {args.dtype}, prefill {args.prefill_mode or mesh.settings.inference.prefill}"
     )
     rows = []
     for index, (_, ids) in enumerate(args.prompts):

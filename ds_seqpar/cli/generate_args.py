@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write one JSON line per prompt to this file")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="the model's dtype")
     p.add_argument("--sp-size", type=int, default=None, help="SP degree, overriding sequence_parallel.size")
-    p.add_argument("--prefill-mode", choices=sorted(PREFILL_MODES), default="exact",
-                   help="how the prompt's forward runs (ds_seqpar.register_prefill_mode)")  # fmt: skip
+    p.add_argument("--prefill-mode", choices=sorted(PREFILL_MODES), default=None,
+                   help="how the prompt's forward runs (default: the section's inference.prefill, else exact; "
+                   "ds_seqpar.register_prefill_mode)")  # fmt: skip
     p.add_argument("--random-init", action="store_true",
                    help="the model of DIR/config.json with random weights (directories without weights)")  # fmt: skip
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code")
