@@ -208,6 +208,7 @@ class SeqParSettings:
     ranks_per_node: int
     fault_timeout_s: float
     dynamic_degree: bool = False
+    inference: Any = None  # the section's InferenceConfig (immutable; docs/inference.md)
 
     @property
     def ring_degree(self) -> int:
@@ -295,6 +296,7 @@ def resolve_settings(
         ),
         fault_timeout_s=section.fault_timeout_s,
         dynamic_degree=section.dynamic_degree,
+        inference=section.inference,
     )
 
 

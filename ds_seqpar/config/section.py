@@ -26,6 +26,7 @@ from pydantic import (
 from ds_seqpar.comm.schedules import SCHEDULES
 from ds_seqpar.comm.schedules.ring import RingSpec
 from ds_seqpar.comm.schedules.startrail import BACKWARD_CHOICES
+from ds_seqpar.config.inference import InferenceConfig
 from ds_seqpar.layout import LAYOUTS, StripeLayout, ZigzagLayout
 from ds_seqpar.ops.attention import KERNELS
 from ds_seqpar.ops.sparse.kernels import SPARSE_AUTO_SUMMARY, SPARSE_KERNELS
@@ -296,6 +297,10 @@ class SequenceParallelConfig(_Section):
     )
     sparse: SparseConfig = Field(
         default_factory=SparseConfig, description="Sparse attention settings (attention='sparse_ring')."
+    )
+    inference: InferenceConfig = Field(
+        default_factory=InferenceConfig,
+        description="Long-prompt prefill: exact | apb | star and their parameters (docs/inference.md).",
     )
     linear: LinearConfig = Field(
         default_factory=LinearConfig, description="Linear-attention layers (linear and hybrid models)."

@@ -39,6 +39,8 @@ class SeqParContext:
     that every call runs instead, unsplit (a replicated encoder's forward over its whole input).
     ``cache``: the sharded KV cache of ``ds_seqpar.prefill`` / decoding (``sharded_cache.py``): the attention
     layers store this rank's K/V into it, or, while ``cache.decoding``, append to and read from it.
+    ``approximate``: a callable with ``ds_seqpar.attention``'s signature that every self-attention call runs
+    instead of it (APB / Star Attention prefill, docs/inference.md).
     """
 
     mesh: SeqParMesh
@@ -67,6 +69,8 @@ class SeqParContext:
         n = self.cache_calls.get(layer, 0)
         self.cache_calls[layer] = n + 1
         return layer if n == 0 else (layer, n)
+
+    approximate: Any = None  # an approximate prefill's attention (integrations/apb_prefill.py), else None
 
     def record(
         self,

@@ -89,7 +89,7 @@ def generate(
     *,
     mesh: SeqParMesh | None = None,
     position_ids: torch.Tensor | None = None,
-    prefill_mode: str = "exact",
+    prefill_mode: str | None = None,
     seed: int | None = None,
     generation_config: Any = None,
     **sampling: Any,
@@ -99,7 +99,7 @@ def generate(
     Args:
         model: a ``SeqParCausalLM`` (or the DeepSpeed engine around one), or a HF causal LM with ``mesh``.
         position_ids: packed prompts (``prefill``); the new tokens continue each row's last document.
-        prefill_mode: a name of ``PREFILL_MODES``.
+        prefill_mode: a name of ``PREFILL_MODES``; None: ``sequence_parallel.inference.prefill``.
         seed: ``torch.manual_seed(seed)`` before the first token (sampling draws from torch's generator).
         generation_config, sampling: as for HF's ``model.generate`` (``max_new_tokens``, ``do_sample``,
             ``temperature``, ``top_k``, ``top_p``, ``eos_token_id``, ...); defaults from the model's own.

@@ -223,7 +223,7 @@ def seqpar_attention_forward(
     if ctx.cache is not None:
         ctx.cache.store(ctx.cache_slot(module), key, value)
     query, key, value, v_dim = _common_head_dim(query, key, value)
-    out = attention(
+    out = (ctx.approximate or attention)(  # approximate: APB / Star prefill (docs/inference.md)
         query.transpose(1, 2),
         key.transpose(1, 2),
         value.transpose(1, 2),

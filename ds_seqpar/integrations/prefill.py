@@ -98,8 +98,9 @@ def causal_wrapper(model: torch.nn.Module, mesh: SeqParMesh | None) -> Any:
     return known
 
 
-def refuse_undecodable(wrapper: Any) -> None:
-    """Families whose decoding from a sharded cache would not be exact, refused by name before any collective."""
+def refuse_undecodable(wrapper: Any, packed: bool = False) -> None:
+    """Families whose decoding from a sharded cache would not be exact, refused by name before any collective
+    (``packed``: prompts given with position ids restarting per document)."""
     hf = unwrap_hf_model(wrapper.model)
     name = type(hf).__name__
     if wrapper._parts.positions is not None:
@@ -108,10 +109,12 @@ def refuse_undecodable(wrapper: Any) -> None:
             "decoding from a sharded cache takes position ids that continue the prompt's: generate with the plain model"
         )
     from ds_seqpar.integrations.decode_rules import refuse_undecodable_family
-    from ds_seqpar.integrations.recurrent_state import refuse_undecodable_layers
+    from ds_seqpar.integrations.recurrent_state import refuse_packed_recurrent, refuse_undecodable_layers
 
     refuse_undecodable_family(hf)
     refuse_undecodable_layers(hf)
+    if packed:
+        refuse_packed_recurrent(hf)
 
 
 def _check_prompt(ids: torch.Tensor, wrapper: Any, position_ids: Any) -> torch.Tensor:
@@ -158,7 +161,7 @@ def prefill(
     *,
     mesh: SeqParMesh | None = None,
     position_ids: torch.Tensor | None = None,
-    mode: str = "exact",
+    mode: str | None = None,
     reserve: int = 0,
 ) -> Prefilled:
     """The prompt's forward over the SP group; returns its last logits and this rank's cache.
@@ -169,21 +172,24 @@ def prefill(
         input_ids: ``[B, S0]``, the same on every SP rank (checked).
         position_ids: None, or ``[B, S0]`` restarting at 0 per document: packed prompts (each document sees only
             itself; decoding continues each row's last document).
-        mode: a name of ``PREFILL_MODES``.
+        mode: a name of ``PREFILL_MODES``; None: ``sequence_parallel.inference.prefill`` (default ``"exact"``).
         reserve: cache slots each layer allocates up front for decoded tokens (the cache grows otherwise).
     """
     wrapper = causal_wrapper(model, mesh)
     mesh = wrapper.mesh
+    if mode is None:
+        mode = "exact" if mesh.settings.inference is None else mesh.settings.inference.prefill
     if mode not in PREFILL_MODES:
         raise ValueError(
             f"prefill mode={mode!r} is not one of {sorted(PREFILL_MODES)} (register_prefill_mode)"
         )
     chosen = PREFILL_MODES[mode]
-    refuse_undecodable(wrapper)
+    refuse_undecodable(wrapper, packed=position_ids is not None)
     chosen.check(wrapper)
     ids = _check_prompt(input_ids, wrapper, position_ids)
     b, s0 = ids.shape
     batch = shard_batch({"input_ids": ids, "position_ids": position_ids}, mesh, layout=input_layout(mesh))
+    batch["prompt_ids"] = ids  # the whole prompt, for modes that need more than the shard (APB's anchor)
     layout = input_layout(mesh).for_batch(batch["doc_ids"])
     if layout.world != mesh.sp_size or layout.group_degree is not None:
         raise UnsupportedModelError(
