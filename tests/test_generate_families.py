@@ -63,6 +63,7 @@ EXPECTED = {
     "moshi": "refused",  # HF's cache keeps a sliding window its forward does not apply
     "roberta": "refused",  # positions derived from the token ids
     "bloom": "refused",  # ALiBi computed in the layer
+    "qwen3_next": "exact",  # gated DeltaNet hybrid: recurrent state decoded (RECURRENT_DECODERS)
     "mamba": "refused",  # a recurrent layer without a decoder
 }
 
