@@ -106,6 +106,40 @@ def counts(rows: list[dict]) -> dict[str, int]:
     return {s: sum(r["status"] == s for r in rows) for s in STATUSES}
 
 
+# What is refused, grouped by cause: (a phrase of the refusal message, the cause)
+CAUSES = (
+    ("has no decoding from a sharded cache", "a recurrent layer without a decoder (`RECURRENT_DECODERS`)"),
+    (
+        "computes its attention scores itself",
+        "attention scores computed in the layer (ALiBi, inline softmax, Llama 4)",
+    ),
+    (
+        "derives its position ids from the token ids",
+        "position ids derived from the token ids (a position rule)",
+    ),
+    ("does not decode from a sharded cache:", "a family rule of `integrations/decode_rules.py`"),
+)
+
+
+def _by_cause(rows: list[dict]) -> list[str]:
+    """Markdown lines: the refused and skipped types grouped by cause, most types first."""
+    groups: dict[str, list[str]] = {}
+    for r in rows:
+        if r["status"] == "refused":
+            cause = next(
+                (c for phrase, c in CAUSES if phrase in r["detail"]), r["detail"].split(": ", 1)[-1][:120]
+            )
+            groups.setdefault(cause, []).append(r["type"])
+        elif r["status"] == "skipped":
+            groups.setdefault(f"skipped: {r['detail'][:100]}", []).append(r["type"])
+    lines = ["## Refused and skipped, by cause", "", "| cause | types |", "|---|---|"]
+    for cause, types in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        lines.append(
+            f"| {cause.replace('|', chr(92) + '|')} | {len(types)}: {', '.join(f'`{t}`' for t in types)} |"
+        )
+    return [*lines, ""]
+
+
 def write_markdown(rows: list[dict], path: Path, seconds: float) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as NAMES
 
@@ -130,6 +164,7 @@ def write_markdown(rows: list[dict], path: Path, seconds: float) -> None:
         "|---|---|",
         *(f"| {s} | {len(by_status[s])} |" for s in STATUSES),
         "",
+        *_by_cause(rows),
         "## Every type",
         "",
         "| type | class | result | detail |",

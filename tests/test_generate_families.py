@@ -8,6 +8,8 @@ decodes, and each kind of refusal), and over every type the training sweep finds
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -61,6 +63,7 @@ EXPECTED = {
     "moshi": "refused",  # HF's cache keeps a sliding window its forward does not apply
     "roberta": "refused",  # positions derived from the token ids
     "bloom": "refused",  # ALiBi computed in the layer
+    "qwen3_next": "exact",  # gated DeltaNet hybrid: recurrent state decoded (RECURRENT_DECODERS)
     "mamba": "refused",  # a recurrent layer without a decoder
 }
 
@@ -80,3 +83,39 @@ def test_generate_sweep_every_exact_training_type(dist_pool):
     bad = [r for r in rows if r["status"] in ("mismatch", "error")]
     assert not bad, bad
     assert sum(r["status"] == "exact" for r in rows) >= 110, [(r["type"], r["status"]) for r in rows]
+
+
+def dory_case(mode: str) -> dict | str:
+    """Dory with 1 input, 1 recurrent (run twice) and 1 output layer (the tiny sweep's config does not generate
+    in HF): every loop keeps its own cache entries (``per_loop``); ``last_loop`` is refused by name."""
+    import transformers
+
+    import ds_seqpar
+    from benchmarks import generate_sweep as sweep
+    from benchmarks.tiny_configs import _model_config, tiny_config
+
+    cfg = _model_config(tiny_config("dory"), transformers.DoryForCausalLM)
+    cfg.num_hidden_layers, cfg.n_input_layers, cfg.n_recurrent_layers, cfg.n_output_layers = 3, 1, 1, 1
+    cfg.layer_types = ["full_attention"] * 3
+    cfg.recurrent_kv_cache_mode = mode
+    torch.manual_seed(0)
+    ref = transformers.DoryForCausalLM(cfg).float().eval()
+    ref.set_attn_implementation("sdpa")
+    model = copy.deepcopy(ref)
+    ids = sweep._prompt(ref)
+    seqs, logits = sweep._hf_generate(ref, ids)
+    try:
+        out = ds_seqpar.generate(
+            model, ids, mesh=sweep._mesh(), max_new_tokens=sweep.NEW_TOKENS, pad_token_id=0
+        )
+    except UnsupportedModelError as exc:
+        return str(exc)
+    return sweep._compare(out, seqs, logits)
+
+
+@pytest.mark.slow
+def test_dory_loops_decode_from_one_cache_entry_per_loop(dist_pool):
+    for res in dist_pool(4).run(dory_case, "per_loop"):
+        assert res["status"] == "exact", res
+    for res in dist_pool(4).run(dory_case, "last_loop"):
+        assert "DoryAttention" in res and "last_loop" in res, res
