@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ds_seqpar.integrations.attention_layers import _adapter_for as attention_adapter_for
+from ds_seqpar.integrations.dsa_adapters import DSA_ADAPTERS
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
 from ds_seqpar.integrations.recurrent_decoders import BUILTIN_DECODERS, RECURRENT_DECODERS, decoder_for
 from ds_seqpar.integrations.recurrent_layers import adapter_for as recurrent_adapter_for
@@ -25,9 +26,14 @@ def refuse_undecodable_layers(model: torch.nn.Module) -> None:
         if recurrent_adapter_for(module) is not None and decoder_for(module) is None:
             known = {name for _, name in BUILTIN_DECODERS} | {c.__name__ for c in RECURRENT_DECODERS}
             decodable = ", ".join(sorted(known))
+            kind = (
+                "DeepSeek sparse attention layer (its top-k indexer selects keys over the whole sequence)"
+                if (cls.__module__, cls.__name__) in DSA_ADAPTERS
+                else "recurrent layer"
+            )
             raise UnsupportedModelError(
-                f"{type(model).__name__}: its recurrent layer {name} ({cls.__name__}) has no decoding from a sharded "
-                f"cache (recurrent layers that decode: {decodable}); generate with the plain model"
+                f"{type(model).__name__}: its {kind} {name} ({cls.__name__}) has no decoding from a sharded "
+                f"cache (layers routed around the attention that decode: {decodable}); generate with the plain model"
             )
         if attention_adapter_for(module) is not None:
             raise UnsupportedModelError(
