@@ -33,7 +33,7 @@ def refuse_undecodable_layers(model: torch.nn.Module) -> None:
             )
             raise UnsupportedModelError(
                 f"{type(model).__name__}: its {kind} {name} ({cls.__name__}) has no decoding from a sharded "
-                f"cache (layers routed around the attention that decode: {decodable}); generate with the plain model"
+                f"cache (those that decode: {decodable}); generate with the plain model"
             )
         if attention_adapter_for(module) is not None:
             raise UnsupportedModelError(
