@@ -108,12 +108,13 @@ def sweep_one(model_type: str, seed: int = 0) -> dict:
     return {"status": "exact" if exact else "mismatch", "detail": detail}
 
 
-def sweep_many(model_types: list[str]) -> list[dict]:
-    """``sweep_one`` for each type on this rank; rank 0's view plus agreement of the ranks' statuses."""
+def sweep_many(model_types: list[str], one=None) -> list[dict]:
+    """``one`` (default ``sweep_one``) for each type on this rank; rank 0's view plus agreement of the ranks'
+    statuses."""
     out = []
     for t in model_types:
         t0 = time.perf_counter()
-        res = sweep_one(t)
+        res = (one or sweep_one)(t)
         res["seconds"] = round(time.perf_counter() - t0, 2)
         statuses = [None] * dist.get_world_size()
         dist.all_gather_object(statuses, res["status"])

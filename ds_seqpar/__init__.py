@@ -32,8 +32,10 @@ Public API (more arrives with the attention, data and engine modules):
 * :func:`prefill` (:class:`Prefilled`, :class:`ShardedCache`): the prompt's forward over the SP group, leaving
   each rank the K/V of its tokens; :func:`generate` (:class:`GenerateOutput`): decoding from that sharded
   cache with HF's sampling arguments; :func:`register_prefill_mode` (:class:`PrefillMode`): another way to
-  run the prefill (docs/inference.md).
-* :func:`memory_estimate` / :func:`largest_seq_len`: the memory model (predicted peak bytes per rank by
+  run the prefill (docs/inference.md); :func:`register_recurrent_decoder` (:class:`RecurrentDecoder`): a
+  recurrent layer that decodes from the state the prefill keeps (docs/inference.md).
+* :func:`memory_estimate` / :func:`largest_seq_len` / :func:`prefill_memory_estimate` /
+  :func:`decode_cache_bytes`: the memory model (predicted peak bytes per rank by
   category, docs/memory.md).
 """
 
@@ -51,13 +53,20 @@ from ds_seqpar.integrations.generation import GenerateOutput, generate
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
 from ds_seqpar.integrations.logprobs import TokenLogprobs, token_logprobs
 from ds_seqpar.integrations.prefill import Prefilled, PrefillMode, prefill, register_prefill_mode
+from ds_seqpar.integrations.recurrent_decoders import RecurrentDecoder, register_recurrent_decoder
 from ds_seqpar.integrations.recurrent_layers import register_recurrent_layer
 from ds_seqpar.integrations.routing import disable_sequence_parallel, enable_sequence_parallel
 from ds_seqpar.integrations.seq2seq import SeqParSeq2SeqLM, shard_encoder_states
 from ds_seqpar.integrations.sharded_cache import ShardedCache
 from ds_seqpar.layout import LayoutError, register_layout
 from ds_seqpar.loss import sp_causal_lm_loss
-from ds_seqpar.memory import MemoryEstimate, largest_seq_len, memory_estimate
+from ds_seqpar.memory import (
+    MemoryEstimate,
+    decode_cache_bytes,
+    largest_seq_len,
+    memory_estimate,
+    prefill_memory_estimate,
+)
 from ds_seqpar.mesh import DeepSpeedMPU, MeshCoords, MeshPlan, SeqParMesh, plan_mesh
 from ds_seqpar.ops.attention import register_kernel
 from ds_seqpar.ops.sparse import register_sparse_kernel
@@ -85,6 +94,7 @@ __all__ = [
     "PrefillMode",
     "Prefilled",
     "RankShapeError",
+    "RecurrentDecoder",
     "SeqParCausalLM",
     "SeqParCollator",
     "SeqParConfigError",
@@ -104,6 +114,7 @@ __all__ = [
     "accelerate_prepare",
     "attention",
     "cross_attention",
+    "decode_cache_bytes",
     "delta_rule_attention",
     "disable_sequence_parallel",
     "enable_sequence_parallel",
@@ -117,10 +128,12 @@ __all__ = [
     "parse_section",
     "plan_mesh",
     "prefill",
+    "prefill_memory_estimate",
     "register_attention_layer",
     "register_kernel",
     "register_layout",
     "register_prefill_mode",
+    "register_recurrent_decoder",
     "register_recurrent_layer",
     "register_schedule",
     "register_sparse_kernel",

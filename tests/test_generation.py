@@ -4,8 +4,8 @@ The reference is the single-process HF model generating with its own cache (``mo
 prompt is prefilled over the group and every new token decoded from the sharded cache; the prefill logits and
 every decoded token's logits must match within 1e-5 (float32), the tokens exactly, greedy and sampled under
 the same seed. Families: a dense Llama, a windowed Mistral (window 12 < prompt), Gemma 2 (soft-caps, alternating
-windows), gpt-oss (sinks, windows) and Qwen3-Next (gated DeltaNet hybrid); meshes: U 2 x R 2 (zigzag), a ring
-of 4 (contiguous) and 2 ranks (stripe).
+windows), gpt-oss (sinks, windows) and Qwen3-Next (gated DeltaNet hybrid: its recurrent state kept at prefill,
+stepped on every rank); meshes: U 2 x R 2 (zigzag), a ring of 4 (contiguous) and 2 ranks (stripe, zigzag).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ def reference(
     model: torch.nn.Module, ids: torch.Tensor, sampling: dict, seed: int
 ) -> tuple[torch.Tensor, list]:
     torch.manual_seed(seed)
-    out = model.generate(
+    out = model.generate(  # use_cache: the tiny hybrids' configs turn HF's cache off
         ids, max_new_tokens=NEW_TOKENS, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-        **sampling,
+        use_cache=True, **sampling,
     )  # fmt: skip
     return out.sequences, [x.float() for x in out.logits]
 
@@ -64,7 +64,7 @@ def generation_case(kind: str, u: int, layout: str, prompt: int, sampling: dict,
         "steps": (len(out.logits), len(ref_logits)),
         "same_tokens": torch.equal(out.sequences, seqs),
         "ranks_agree": all(torch.equal(g, out.sequences) for g in gathered),
-        "cache_tokens": out.cache.layers[0].length,
+        "cache_tokens": next(iter(out.cache.layers.values())).length,
     }
 
 
@@ -77,6 +77,7 @@ CASES = [
     ("gemma2", 1, "contiguous", 44, GREEDY),
     ("gpt_oss", 2, "zigzag", 40, SAMPLED),
     ("qwen3_next", 2, "zigzag", 48, GREEDY),
+    ("qwen3_next", 1, "contiguous", 43, SAMPLED),  # ring of 4, end padding
 ]
 
 
@@ -97,6 +98,7 @@ TWO_RANKS = [
     ("mistral", 1, "contiguous"),
     ("gemma2", 2, "contiguous"),
     ("gpt_oss", 2, "zigzag"),
+    ("qwen3_next", 1, "zigzag"),
 ]
 
 
@@ -194,3 +196,30 @@ def test_decode_bytes_syncs_packed_and_refusals(dist_pool):
         assert "computes its attention scores itself" in res["bloom"], where
         assert "psychic" in res["mode"] and "[B, S]" in res["shape"], where
         assert "different prompts" in res["prompts"], where
+
+
+def edges_case() -> dict:
+    """dp 2 x SP 2 (each replica its own prompts), a prompt shorter than the layout's multiple (some ranks hold
+    only padding), rows stopping at different steps on a stop token."""
+    from tests.helpers.meshes import mesh_for
+
+    ref = tiny_model("llama")
+    ref.eval()
+    mesh = mesh_for({"size": 2, "ulysses_degree": 1, "ring": {"layout": "zigzag"}})
+    sp = SeqParCausalLM(copy.deepcopy(ref), mesh)
+    replica = dist.get_rank() // 2
+    ids = torch.randint(3, VOCAB, (2, 3), generator=torch.Generator().manual_seed(7 + replica))
+    free = ref.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    stop = int(free[0, ids.shape[1] + 3])  # row 0 stops after 4 new tokens; row 1 when (if) it meets it
+    want = ref.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=stop)
+    got = sp.generate(ids, max_new_tokens=10, pad_token_id=0, eos_token_id=stop)
+    return {
+        "same": torch.equal(got.sequences, want),
+        "replica": replica,
+        "len": got.sequences.shape[1],
+    }
+
+
+def test_generate_dp_replicas_short_prompt_and_stop_tokens(dist_pool):
+    for rank, res in enumerate(dist_pool(4).run(edges_case)):
+        assert res["same"], f"rank {rank}: {res}"

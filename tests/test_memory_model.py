@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_seqpar import SeqParConfigError, largest_seq_len, memory_estimate
+from ds_seqpar import (
+    SeqParConfigError,
+    decode_cache_bytes,
+    largest_seq_len,
+    memory_estimate,
+    prefill_memory_estimate,
+)
 from ds_seqpar.memory.trace import LiveBytes
 
 SAVINGS = {"activation_checkpointing": True, "offload": True, "tiled_mlp": True, "tiled_norms": True}
@@ -123,8 +129,82 @@ def test_docs_memory_snippets_run_as_written(capsys):
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "memory.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     for block in blocks:
         exec(compile(block, "docs/memory.md", "exec"), {})
     out = capsys.readouterr().out
     assert "device peak per rank" in out and "peak" in out and "backward:" in out
+
+
+# ------------------------------------------------------------------------------ inference (prefill, decoding)
+
+
+def test_prefill_estimate_counts_the_cache_and_refuses_by_name():
+    """The cache is L · n_r · (2 · B · H_kv · D · b + 8); padding is dropped; reserve adds slots; decoding adds
+    ceil(T / P) tokens' K/V on the busiest rank; weights are the only resting category."""
+    section = {"size": 4, "ulysses_degree": 2}
+    est = prefill_memory_estimate(BIG, 1 << 17, section, bytes_per_element=2, reserve=100)
+    slot = 2 * 8 * 128 * 2 + 8  # K and V of one token (8 K/V heads of 128, bf16) and its index
+    assert est.device["KV cache (prefill: this rank's tokens)"] == 32 * (1 << 15) * slot
+    assert est.device["KV cache (reserved slots for decoded tokens)"] == 32 * 100 * slot
+    assert est.resting == {"weights"} and est.step_bytes() == est.device_peak - est.device["weights"]
+    assert est.phase in ("RoPE", "attention", "MLP", "logits")
+    padded = prefill_memory_estimate(LLAMA, 1000, section)  # zigzag over R = 2: S padded to 1024
+    assert padded.device["KV cache (prefill: this rank's tokens)"] == 2 * 250 * (2 * 2 * 16 * 4 + 8)
+    assert decode_cache_bytes(BIG, 9, 4, bytes_per_element=2) == 3 * 2 * 32 * 8 * 128 * 2
+    hybrid = {**LLAMA, "layer_types": ["linear_attention", "full_attention"]}
+    with pytest.raises(ValueError, match=r"1 recurrent layers \(linear_attention\).*pass state_bytes="):
+        prefill_memory_estimate(hybrid, 4096, {"size": 1})
+    both = prefill_memory_estimate(hybrid, 4096, {"size": 1}, state_bytes=1000)
+    assert both.device["recurrent states (replicated)"] == 1000
+    assert both.device["KV cache (prefill: this rank's tokens)"] == 4096 * (2 * 2 * 16 * 4 + 8)  # 1 layer
+    with pytest.raises(ValueError, match=r"reserve=-1 must be an integer >= 0"):
+        prefill_memory_estimate(LLAMA, 4096, {"size": 1}, reserve=-1)
+    with pytest.raises(ValueError, match=r"bytes_per_element=3 must be 2"):
+        prefill_memory_estimate(LLAMA, 4096, {"size": 1}, bytes_per_element=3)
+    with pytest.raises(ValueError, match=r"decode_cache_bytes: sp_size=0 must be an integer >= 1"):
+        decode_cache_bytes(LLAMA, 8, 0)
+
+
+def traced_prefill_vs_model(seq_lens: list[int]) -> list[tuple[int, float, float, float, int, int]]:
+    """Per S: (S, single-process HF prefill peak, this rank's ds_seqpar.prefill peak, predicted; MiB), then the
+    K/V bytes 7 decoded tokens added on this rank and ``decode_cache_bytes`` for the busiest rank."""
+    import torch.distributed as dist
+
+    import ds_seqpar
+    from benchmarks.prefill_memory import tiny_llama, traced
+    from ds_seqpar import SeqParCausalLM, SeqParMesh
+    from ds_seqpar.settings import auto_ulysses_degree
+
+    world = dist.get_world_size()
+    plain = tiny_llama()
+    cfg = plain.config
+    u = auto_ulysses_degree(world, cfg.num_attention_heads, cfg.num_key_value_heads)
+    sp = SeqParCausalLM(tiny_llama(), SeqParMesh.from_config({"size": world, "ulysses_degree": u}))
+    rows = []
+    for s in seq_lens:
+        ids = torch.randint(4, cfg.vocab_size, (1, s), generator=torch.Generator().manual_seed(s))
+        single = traced(lambda ids=ids: plain(input_ids=ids, use_cache=True, logits_to_keep=1))
+        mine = traced(lambda ids=ids: ds_seqpar.prefill(sp, ids))
+        est = prefill_memory_estimate(cfg, s, sp.mesh.settings)
+        prompt = ds_seqpar.prefill(sp, ids).cache.bytes()
+        out = ds_seqpar.generate(sp, ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        rows.append((s, single / 2**20, mine / 2**20, est.step_bytes() / 2**20,
+                     out.cache.bytes() - prompt, decode_cache_bytes(cfg, 7, world)))  # fmt: skip
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("world", "seq_lens"),
+    [(2, [4096, 8192]), pytest.param(4, [8192, 16384], marks=pytest.mark.slow)],
+)
+def test_prefill_peak_is_predicted_and_within_the_bound(dist_pool, world, seq_lens):
+    """Each rank's prefill peak is within 15 % of the model and <= 1.1 x (single-process prefill / P) (the
+    weights, alike on both sides, excluded); decoding's K/V on the busiest rank is exactly the model's."""
+    results = dist_pool(world).run(traced_prefill_vs_model, seq_lens)
+    for rank_rows in results:
+        for s, single, mine, predicted, _, _ in rank_rows:
+            assert abs(predicted - mine) <= 0.15 * mine, (world, s, mine, predicted)
+            assert mine <= 1.1 * single / world, (world, s, mine, single)
+    for i in range(len(seq_lens)):
+        assert max(rows[i][4] for rows in results) == results[0][i][5]

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ds_seqpar.cli.eval_generate import add_eval_generate_flag, check_eval_generate
 from ds_seqpar.cli.heldout import add_eval_data_flag, check_eval_data
 from ds_seqpar.config import load_config, with_overrides
 from ds_seqpar.errors import MissingFileError, SeqParConfigError
@@ -215,6 +216,7 @@ def _output_flags(p: argparse.ArgumentParser) -> None:
         help="evaluate on held-out samples every N steps (0: start and end only)",
     )
     p.add_argument("--eval-samples", type=int, default=16, help="held-out samples per evaluation")
+    add_eval_generate_flag(p)
     p.add_argument("--seed", type=int, default=0, help="model init and data seed")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     p.add_argument("--no-export", action="store_true", help="skip the final HF-format export")
@@ -247,6 +249,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         _check_weights(Path(args.model))
     args.settings = section.validate(config, world)  # heads vs U, world vs size: before any process group
     _check_packing(args, parser)
+    check_eval_generate(args, parser)
     _check_train_batch(ds_config, args.ds_config, world // args.settings.size)
     _check_monitor(ds_config, args.ds_config, args.output_dir)
     args.section, args.ds_config_dict, args.tokenizer = section, ds_config, tokenizer

@@ -31,6 +31,7 @@ import torch
 from ds_seqpar.checkpoint_resume import CLIENT_KEY, SampleHistory
 from ds_seqpar.cli.args import DEFAULT_TASK_LR, PASSKEYS, model_config, parse_args
 from ds_seqpar.cli.data import batches, datasets
+from ds_seqpar.cli.eval_generate import generate_accuracy
 from ds_seqpar.cli.evaluation import evaluate, evaluate_heldout
 from ds_seqpar.cli.health import StepHealth
 from ds_seqpar.cli.heldout import heldout_dataset
@@ -62,6 +63,7 @@ class _Run:
     world: int
     flags: dict[str, Any]  # training_flags: what a resume must keep (and the lr it honours)
     heldout_loader: Any = None  # --eval-data's batches (cli/heldout.py), None without it
+    generate_set: Any = None  # --eval-generate's passkey rows (cli/eval_generate.py), None without it
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -153,6 +155,8 @@ def _start(args: argparse.Namespace) -> _Run:
     heldout = heldout_dataset(args, tokenizer)
     if heldout is not None:
         run.heldout_loader = _eval_loader(heldout, mesh, micro, pad, engine.module.objective)
+    if args.eval_generate:
+        run.generate_set = eval_set
     if resume is not None:
         _load(args, run, resume, tokenizer)
     return run
@@ -170,6 +174,8 @@ def _evaluations(run: _Run) -> dict[str, float]:
     metrics = evaluate(run.engine, run.eval_loader, run.mesh)
     if run.heldout_loader is not None:
         metrics.update(evaluate_heldout(run.engine, run.heldout_loader, run.mesh))
+    if run.generate_set is not None:
+        metrics.update(generate_accuracy(run.engine, run.generate_set, run.mesh, run.micro))
     return metrics
 
 
@@ -177,6 +183,10 @@ def _eval_line(step: int, metrics: dict[str, float]) -> str:
     line = f"step {step}: eval loss {metrics['eval_loss']:.4f}, accuracy {metrics['eval_accuracy']:.3f}"
     if "heldout_loss" in metrics:
         line += f" | held-out loss {metrics['heldout_loss']:.4f}, ppl {metrics['heldout_ppl']:.3f}"
+    if "generate_accuracy" in metrics:
+        line += (
+            f" | generated answers {metrics['generate_accuracy']:.3f} ({metrics['generate_samples']} rows)"
+        )
     return line
 
 
@@ -388,11 +398,19 @@ def _summary(args: argparse.Namespace, run: _Run, step: int, first: dict, last: 
             task = " (masked tokens)"
         print(
             f"done: {step} steps; accuracy {first['eval_accuracy']:.3f} -> {last['eval_accuracy']:.3f}{task}"
+            + _generated(first, last)
             + f"; metrics {summary['metrics']}, checkpoints {run.ckpt_dir}"
             + ("" if args.no_export else f", HF model {summary['hf_model']}"),
             flush=True,
         )
     return summary
+
+
+def _generated(first: dict, last: dict) -> str:
+    """The summary's ``--eval-generate`` part: the passkey answered by generation, before and after."""
+    if "generate_accuracy" not in last:
+        return ""
+    return f"; by generation {first['generate_accuracy']:.3f} -> {last['generate_accuracy']:.3f}"
 
 
 def memory_report(args: argparse.Namespace, world: int, seq_len: int | None = None) -> Any:

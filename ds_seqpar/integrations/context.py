@@ -59,6 +59,17 @@ class SeqParContext:
     cross_calls: int = 0
     local_attention: str | None = None
     cache: ShardedCache | None = None
+    cache_calls: dict[int, int] = field(default_factory=dict)
+
+    def cache_slot(self, module: torch.nn.Module) -> Any:
+        """The cache entry of this call of ``module``'s attention: its layer index for the layer's first call in
+        this forward, ``(layer, n)`` for its n-th repeat (differential attention calls it twice per layer, HRM
+        runs its layers once per cycle); prefill and every decoding step make the calls in the same order."""
+        layer = self.layer_of.get(id(module), getattr(module, "layer_idx", None))
+        n = self.cache_calls.get(layer, 0)
+        self.cache_calls[layer] = n + 1
+        return layer if n == 0 else (layer, n)
+
     approximate: Any = None  # an approximate prefill's attention (integrations/apb_prefill.py), else None
 
     def record(

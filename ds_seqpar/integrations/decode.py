@@ -52,8 +52,7 @@ def decode_attention(
         if hit:
             raise UnsupportedModelError(f"{name}: decoding from a sharded cache does not support {what}")
     cache: ShardedCache = ctx.cache
-    layer = ctx.layer_of.get(id(module), getattr(module, "layer_idx", None))
-    keys, values, mask = cache.read(layer, key, value, window)
+    keys, values, mask = cache.read(ctx.cache_slot(module), key, value, window)
     out = sharded_decode_attention(
         query,
         keys,

@@ -221,7 +221,7 @@ def seqpar_attention_forward(
                                 chunk=chunk, alibi=alibi_slopes is not None), None  # fmt: skip
     _check_call(name, dropout, query, key)
     if ctx.cache is not None:
-        ctx.cache.store(ctx.layer_of.get(id(module), getattr(module, "layer_idx", None)), key, value)
+        ctx.cache.store(ctx.cache_slot(module), key, value)
     query, key, value, v_dim = _common_head_dim(query, key, value)
     out = (ctx.approximate or attention)(  # approximate: APB / Star prefill (docs/inference.md)
         query.transpose(1, 2),

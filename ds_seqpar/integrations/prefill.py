@@ -98,8 +98,9 @@ def causal_wrapper(model: torch.nn.Module, mesh: SeqParMesh | None) -> Any:
     return known
 
 
-def refuse_undecodable(wrapper: Any) -> None:
-    """Families whose decoding from a sharded cache would not be exact, refused by name before any collective."""
+def refuse_undecodable(wrapper: Any, packed: bool = False) -> None:
+    """Families whose decoding from a sharded cache would not be exact, refused by name before any collective
+    (``packed``: prompts given with position ids restarting per document)."""
     hf = unwrap_hf_model(wrapper.model)
     name = type(hf).__name__
     if wrapper._parts.positions is not None:
@@ -107,9 +108,13 @@ def refuse_undecodable(wrapper: Any) -> None:
             f"{name} derives its position ids from the token ids ({wrapper._parts.positions[0].summary}); "
             "decoding from a sharded cache takes position ids that continue the prompt's: generate with the plain model"
         )
-    from ds_seqpar.integrations.recurrent_state import refuse_undecodable_layers
+    from ds_seqpar.integrations.decode_rules import refuse_undecodable_family
+    from ds_seqpar.integrations.recurrent_state import refuse_packed_recurrent, refuse_undecodable_layers
 
+    refuse_undecodable_family(hf)
     refuse_undecodable_layers(hf)
+    if packed:
+        refuse_packed_recurrent(hf)
 
 
 def _check_prompt(ids: torch.Tensor, wrapper: Any, position_ids: Any) -> torch.Tensor:
@@ -179,7 +184,7 @@ def prefill(
             f"prefill mode={mode!r} is not one of {sorted(PREFILL_MODES)} (register_prefill_mode)"
         )
     chosen = PREFILL_MODES[mode]
-    refuse_undecodable(wrapper)
+    refuse_undecodable(wrapper, packed=position_ids is not None)
     chosen.check(wrapper)
     ids = _check_prompt(input_ids, wrapper, position_ids)
     b, s0 = ids.shape

@@ -15,12 +15,14 @@ documents do not reset the recurrent state, as in the HF model without a cache; 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ds_seqpar.integrations.context import SeqParContext, current_context
+from ds_seqpar.integrations.delta_state import conv_step, delta_step, keep_state, neutral_padding
 from ds_seqpar.parallel.delta_scan import delta_rule_attention, sharded_causal_conv1d
 from ds_seqpar.parallel.linear_scan import linear_attention
 from ds_seqpar.settings import input_layout
@@ -97,7 +99,25 @@ def lightning_forward(
 # -- gated DeltaNet (Qwen3-Next, Qwen3.5) and KDA (Kimi Linear) ------------------------------------
 
 
-def _delta_core(
+def _qk(
+    module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 q, k through the family's own l2norm, repeated to the ``heads`` value heads (GVA)."""
+    l2norm = _family(module).l2norm
+    q, k = (l2norm(x.float(), dim=-1, eps=1e-6) for x in (q, k))
+    rep = heads // q.shape[2]
+    if rep > 1:
+        q, k = (x.repeat_interleave(rep, dim=2) for x in (q, k))
+    return q, k
+
+
+def _delta_core(module: torch.nn.Module, ctx: Any, q, k, v, beta, g) -> torch.Tensor:
+    """HF's ``chunk_*_delta_rule(..., use_qk_l2norm_in_kernel=True)`` under SP: float32, the family's own
+    l2norm on q and k, q scaled by d_k^-1/2, q/k heads repeated to the value heads (GVA)."""
+    return _delta_scan(module, ctx, q, k, v, beta, g, keep=False)[0]
+
+
+def _delta_scan(
     module: torch.nn.Module,
     ctx: Any,
     q: torch.Tensor,
@@ -105,35 +125,91 @@ def _delta_core(
     v: torch.Tensor,
     beta: torch.Tensor,
     g: torch.Tensor,
-) -> torch.Tensor:
-    """HF's ``chunk_*_delta_rule(..., use_qk_l2norm_in_kernel=True)`` under SP: float32, the family's own
-    l2norm on q and k, q scaled by d_k^-1/2, q/k heads repeated to the value heads (GVA)."""
-    l2norm = _family(module).l2norm
+    keep: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``_delta_core``; with ``keep`` (``ds_seqpar.prefill``) also this rank's share of the final state
+    ``[B, H, d_k, d_v]``, the padding past the prompt made neutral."""
     dtype = q.dtype
-    q, k = (l2norm(x.float(), dim=-1, eps=1e-6) for x in (q, k))
-    rep = v.shape[2] // q.shape[2]
-    if rep > 1:
-        q, k = (x.repeat_interleave(rep, dim=2) for x in (q, k))
+    q, k = _qk(module, q, k, v.shape[2])
+    beta, g = beta.float(), g.float()
+    if keep:
+        beta, g = neutral_padding(ctx.cache, beta, g)
     out = delta_rule_attention(
-        q, k, v.float(), beta.float(), mesh=ctx.mesh, log_decay=g.float(), scale=q.shape[-1] ** -0.5
+        q, k, v.float(), beta, mesh=ctx.mesh, log_decay=g, scale=q.shape[-1] ** -0.5, final_state=keep
     )
+    out, share = out if keep else (out, None)
     ctx.record(module)
-    return out.to(dtype)
+    return out.to(dtype), share
 
 
-def _gdn_tail(module: torch.nn.Module, ctx: Any, mixed_qkv, z, b, a) -> torch.Tensor:
-    """Conv, the gated delta rule, gated norm and output projection shared by the GDN families."""
+def _layer(module: torch.nn.Module, ctx: Any) -> int:
+    return ctx.layer_of.get(id(module), getattr(module, "layer_idx", None))
+
+
+def _gdn_mixing(module: torch.nn.Module, conv: Callable, mixed_qkv, b, a) -> tuple[torch.Tensor, ...]:
+    """``mixed_qkv [B, n, C]`` (pre-conv), ``b``, ``a`` -> ``conv`` (the sharded one, or one decoding step),
+    split, beta and decay of the GDN families: ``q, k [B, n, H_k, d_k]``, ``v [B, n, H, d_v]``, ``beta``,
+    ``g [B, n, H]``."""
     bsz, n = mixed_qkv.shape[:2]
-    mixed_qkv = _conv(module, ctx, mixed_qkv)
+    mixed_qkv = conv(mixed_qkv)
     q, k, v = torch.split(mixed_qkv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     q = q.reshape(bsz, n, -1, module.head_k_dim)
     k = k.reshape(bsz, n, -1, module.head_k_dim)
     v = v.reshape(bsz, n, -1, module.head_v_dim)
     beta = b.sigmoid()
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
-    core = _delta_core(module, ctx, q, k, v, beta, g)
+    return q, k, v, beta, g
+
+
+def _gdn_out(module: torch.nn.Module, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Gated norm and output projection: ``core, z [B, n, H, d_v]`` -> ``[B, n, E]``."""
+    bsz, n = core.shape[:2]
     out = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(out.reshape(bsz, n, -1))
+
+
+def _gdn_tail(module: torch.nn.Module, ctx: Any, mixed_qkv, z, b, a) -> torch.Tensor:
+    """Conv, the gated delta rule, gated norm and output projection shared by the GDN families; under
+    ``ds_seqpar.prefill`` the layer's decoding state is kept (``delta_state.keep_state``)."""
+    q, k, v, beta, g = _gdn_mixing(module, lambda x: _conv(module, ctx, x), mixed_qkv, b, a)
+    core, share = _delta_scan(module, ctx, q, k, v, beta, g, keep=ctx.cache is not None)
+    if share is not None:
+        width = module.conv1d.kernel_size[0] - 1
+        keep_state(ctx.cache, _layer(module, ctx), mixed_qkv, width, share)
+    return _gdn_out(module, core, z)
+
+
+def gdn_step(module: torch.nn.Module, ctx: Any, mixed_qkv, z, b, a) -> torch.Tensor:
+    """One decoding token of a GDN layer (``[B, 1, ...]`` inputs) from its kept ``DeltaState``: HF's cached path
+    (conv update, recurrent gated delta rule, gated norm, output); nothing communicated."""
+    state = ctx.cache.states.get(_layer(module, ctx))
+    if state is None:
+        raise RuntimeError(
+            f"ds_seqpar decoding: {type(module).__name__} (layer {_layer(module, ctx)}) kept no state at prefill "
+            "(its decoder was registered after ds_seqpar.prefill ran); prefill again"
+        )
+    act = _family(module).ACT2FN[module.activation]
+    q, k, v, beta, g = _gdn_mixing(module, lambda x: conv_step(state, x, module.conv1d, act), mixed_qkv, b, a)
+    q, k = _qk(module, q, k, v.shape[2])
+    core = delta_step(state, q, k, v, beta, g, q.shape[-1] ** -0.5)
+    ctx.record(module)
+    return _gdn_out(module, core.to(v.dtype), z)
+
+
+def _qwen3_next_inputs(self: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Qwen3-Next's interleaved qkvz / ba projections -> ``mixed_qkv [B, n, C]``, ``z``, ``b``, ``a``."""
+    q, k, v, z, b, a = self.fix_query_key_value_ordering(
+        self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
+    )
+    mixed = torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)], dim=-1)
+    return mixed, z, b, a
+
+
+def _qwen3_5_inputs(self: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Qwen3.5's separate qkv / z / b / a projections -> ``mixed_qkv [B, n, C]``, ``z``, ``b``, ``a``."""
+    bsz, n, _ = hidden_states.shape
+    z = self.in_proj_z(hidden_states).reshape(bsz, n, -1, self.head_v_dim)
+    return self.in_proj_qkv(hidden_states), z, self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
 
 
 def qwen3_next_gdn_forward(
@@ -146,11 +222,12 @@ def qwen3_next_gdn_forward(
     """``Qwen3NextGatedDeltaNet.forward`` (interleaved qkvz / ba projections) with the sequence split."""
     ctx = _context(self, kwargs, cache)
     hidden_states = _zero_padding(_real_tokens(ctx, hidden_states.shape[0]), hidden_states)
-    q, k, v, z, b, a = self.fix_query_key_value_ordering(
-        self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
-    )
-    mixed = torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)], dim=-1)
-    return _gdn_tail(self, ctx, mixed, z, b, a)
+    return _gdn_tail(self, ctx, *_qwen3_next_inputs(self, hidden_states))
+
+
+def qwen3_next_gdn_step(self: torch.nn.Module, hidden_states: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """``Qwen3NextGatedDeltaNet`` on one decoding token ``[B, 1, E]`` from its kept state."""
+    return gdn_step(self, ctx, *_qwen3_next_inputs(self, hidden_states))
 
 
 def qwen3_5_gdn_forward(
@@ -163,16 +240,12 @@ def qwen3_5_gdn_forward(
     """``Qwen3_5GatedDeltaNet.forward`` (separate qkv / z / b / a projections) with the sequence split."""
     ctx = _context(self, kwargs, cache)
     hidden_states = _zero_padding(_real_tokens(ctx, hidden_states.shape[0]), hidden_states)
-    bsz, n, _ = hidden_states.shape
-    z = self.in_proj_z(hidden_states).reshape(bsz, n, -1, self.head_v_dim)
-    return _gdn_tail(
-        self,
-        ctx,
-        self.in_proj_qkv(hidden_states),
-        z,
-        self.in_proj_b(hidden_states),
-        self.in_proj_a(hidden_states),
-    )
+    return _gdn_tail(self, ctx, *_qwen3_5_inputs(self, hidden_states))
+
+
+def qwen3_5_gdn_step(self: torch.nn.Module, hidden_states: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """``Qwen3_5GatedDeltaNet`` on one decoding token ``[B, 1, E]`` from its kept state."""
+    return gdn_step(self, ctx, *_qwen3_5_inputs(self, hidden_states))
 
 
 def kda_forward(

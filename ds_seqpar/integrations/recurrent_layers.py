@@ -50,6 +50,7 @@ from ds_seqpar.integrations.class_registry import registered_forward
 from ds_seqpar.integrations.conv_projection_adapters import zaya_cca_forward
 from ds_seqpar.integrations.dsa_adapters import DSA_ADAPTERS, refuse_unrouted_indexers
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
+from ds_seqpar.integrations.recurrent_decoders import with_decoding
 
 # transformers module, class name -> adapter forward (resolved lazily into REGISTRY)
 BUILTIN_ADAPTERS: dict[tuple[str, str], Callable] = {
@@ -148,7 +149,8 @@ def refuse_recurrent_layers(model: torch.nn.Module) -> None:
 
 
 def route_recurrent_layers(model: torch.nn.Module) -> int:
-    """Give every registered recurrent layer of ``model`` its sequence-parallel forward.
+    """Give every registered recurrent layer of ``model`` its sequence-parallel forward (which, while a sharded
+    cache decodes, steps one token through the class's ``recurrent_decoders.RECURRENT_DECODERS`` entry).
 
     Returns the number of routed layers. Raises ``UnsupportedModelError`` naming the module when the
     model has a recurrent layer kind ds_seqpar cannot split.
@@ -158,7 +160,7 @@ def route_recurrent_layers(model: torch.nn.Module) -> int:
     for module in model.modules():
         forward = adapter_for(module)
         if forward is not None:
-            module.forward = types.MethodType(forward, module)
+            module.forward = types.MethodType(with_decoding(forward), module)
             routed += 1
     return routed
 

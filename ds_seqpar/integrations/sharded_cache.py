@@ -96,7 +96,7 @@ class ShardedCache:
     last_doc: torch.Tensor | None = None
     next_positions: torch.Tensor | None = None
     reserve: int = 0
-    layers: dict[int, LayerShard] = field(default_factory=dict)
+    layers: dict[int | tuple[int, int], LayerShard] = field(default_factory=dict)
     states: dict[int, Any] = field(default_factory=dict)
     decoding: bool = False
 
@@ -105,7 +105,7 @@ class ShardedCache:
         """The SP rank that stores the token being decoded (index ``seq_len``): round robin."""
         return self.seq_len % self.mesh.sp_size
 
-    def store(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    def store(self, layer: int | tuple[int, int], key: torch.Tensor, value: torch.Tensor) -> None:
         """Prefill: keep this rank's ``key [B, H_kv, n, D]`` / ``value [B, H_kv, n, D_v]`` of layer ``layer``
         (rows in ``order``), padding dropped, sorted by global index, with ``reserve`` free slots."""
         if layer in self.layers:
@@ -129,7 +129,7 @@ class ShardedCache:
         self.layers[layer] = LayerShard(keys, values, positions, docs, n)
 
     def read(
-        self, layer: int, key: torch.Tensor, value: torch.Tensor, window: int | None
+        self, layer: int | tuple[int, int], key: torch.Tensor, value: torch.Tensor, window: int | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Decoding: store the new token's ``key / value [B, H_kv, 1, D]`` if this rank owns it, then return the
         entries the new token sees — keys, values and a ``[B, n]`` document mask (None: all visible)."""

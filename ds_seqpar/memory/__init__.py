@@ -11,6 +11,7 @@ import torch
 
 from ds_seqpar.memory.checkpoint import LayerCheckpoint
 from ds_seqpar.memory.estimate import MemoryEstimate, largest_seq_len, memory_estimate
+from ds_seqpar.memory.inference import decode_cache_bytes, prefill_memory_estimate
 from ds_seqpar.memory.offload import HostStore
 from ds_seqpar.memory.tiled_mlp import TilePlan, find_mlps, find_norms, tile_modules
 
@@ -20,9 +21,11 @@ __all__ = [
     "MemoryEstimate",
     "MemorySavings",
     "TilePlan",
+    "decode_cache_bytes",
     "enable_memory_savings",
     "largest_seq_len",
     "memory_estimate",
+    "prefill_memory_estimate",
 ]
 
 

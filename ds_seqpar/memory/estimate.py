@@ -161,6 +161,28 @@ def _settings(config: Any, model_config: Any) -> SeqParSettings:
 
 
 @dataclass(frozen=True)
+class _Tensors:
+    """Bytes of one rank's tensors on ``n`` tokens (docs/memory.md "The memory model", symbol table)."""
+
+    h: int  # hidden state [B, n, E]
+    a_q: int  # queries or the attention output, all heads [B, n, H, D]
+    a_kv: int  # keys or values in the head layout (K/V heads replicated when U > H_kv)
+    kv: int  # keys or values in the token layout [B, n, H_kv, D]: what a K/V cache keeps per layer
+    lse: int  # fp32 [B, n, H]
+    m: int  # one MLP intermediate [B, n, I]
+    rope: int  # RoPE's cos and sin [B, n, D]
+
+    @staticmethod
+    def of(dims: _Dims, n: int, batch: int, b: int, u: int) -> _Tensors:
+        d = dims.head_dim
+        return _Tensors(
+            batch * n * dims.hidden * b, batch * n * dims.heads * d * b, batch * n * max(dims.kv_heads, u) * d * b,
+            batch * n * dims.kv_heads * d * b, batch * n * dims.heads * 4, batch * n * dims.inter * b,
+            2 * batch * n * d * b,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
 class _Sizes:
     """Bytes of one rank's tensors of one layer, and of the step's peaks (docs/memory.md "The memory model")."""
 
@@ -182,11 +204,8 @@ def _activation_sizes(
 ) -> _Sizes:
     p, u, mem = settings.size, settings.ulysses_degree, settings.memory
     r, n = p // u, math.ceil(seq_len / p)
-    h = batch * n * dims.hidden * b
-    a_q = batch * n * dims.heads * dims.head_dim * b  # queries (or the attention output), all heads
-    a_kv = batch * n * max(dims.kv_heads, u) * dims.head_dim * b  # keys or values (replicated when U > H_kv)
-    lse = batch * n * dims.heads * 4
-    mlp_act = batch * n * dims.inter * b  # one MLP intermediate
+    t = _Tensors.of(dims, n, batch, b, u)
+    h, a_q, a_kv, lse, mlp_act = t.h, t.a_q, t.a_kv, t.lse, t.m
     tile = min(n, mem.mlp_tile_tokens)
     norm_kept = h if mem.tiled_norms else 2 * h  # output (+ the normalised input when not tiled)
     # q, k, v, lse (head layout), and the output, except with R > 1: the ring's backward then runs on
@@ -206,8 +225,7 @@ def _activation_sizes(
     mlp_backward = 5 * batch * tile * dims.inter * b if mem.tiled_mlp else 2 * mlp_act
     final_norm = h if mem.tiled_norms else 2 * h
     logits = LOSS_CHUNK_TENSORS * batch * min(loss_chunk, n) * dims.vocab * 4
-    rope = 2 * batch * n * dims.head_dim * b
-    return _Sizes(h, rope, norm_kept, attn_kept, layer_kept, attn_backward, mlp_backward, final_norm, logits,
+    return _Sizes(h, t.rope, norm_kept, attn_kept, layer_kept, attn_backward, mlp_backward, final_norm, logits,
                   token_out, mlp_kept)  # fmt: skip
 
 

@@ -147,7 +147,8 @@ def delta_rule_attention(
     log_decay: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     scale: float = 1.0,
-) -> torch.Tensor:
+    final_state: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over the whole sequence the SP group shares; exact, equal to one process.
 
     Args:
@@ -157,9 +158,12 @@ def delta_rule_attention(
         mesh: the mesh; ``mesh.settings.linear`` gives scan mode, K blocks (along d_v) and chunk size.
         log_decay: None, ``[B, n, H]`` (gated DeltaNet) or ``[B, n, H, d_k]`` (KDA); entries <= 0.
         initial_state: ``[B, H, d_k, d_v]`` state before the first token, or None (zeros).
+        final_state: also return this rank's share of the state after the last token: ``[B, H, d_k, d_v]``
+            (the scan's dtype), zeros except this rank's Ulysses heads on the ring rank that owns the chain's
+            last piece; the sum over the SP group is the final state. Nothing more is communicated here.
 
     Returns:
-        ``out [B, n, H, d_v]`` in v.dtype; differentiable in every input.
+        ``out [B, n, H, d_v]`` in v.dtype (differentiable in every input), or ``(out, share)``.
     """
     cfg = mesh.settings
     lin = cfg.linear
@@ -183,9 +187,14 @@ def delta_rule_attention(
     start = sum(heads.q_counts[:me])
     init2 = None if initial_state is None else initial_state[:, start : start + heads.q_counts[me]]
     plan = scan_plan(mesh, q2.shape[1], lin.chunk_size, lin.blocks, lin.scan, scale)
-    out, _ = _DeltaScan.apply(q2, k2, v2, beta2, decay2, init2, plan)
+    out, final = _DeltaScan.apply(q2, k2, v2, beta2, decay2, init2, plan)
     (full,) = head_to_seq((out,), (heads.q_counts,), group, me, stats)
-    return full
+    if not final_state:
+        return full
+    share = final.new_zeros(q.shape[0], h, *final.shape[2:])
+    if plan.scan.owners[-1] == plan.scan.me:
+        share[:, start : start + heads.q_counts[me]] = final
+    return full, share
 
 
 _HALO_PLANS: dict[tuple, HaloPlan] = {}
