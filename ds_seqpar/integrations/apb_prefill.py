@@ -43,17 +43,22 @@ def apb_spec(mesh: SeqParMesh, star: bool = False) -> ApbSpec:
     return ApbSpec(inference.anchor_len, inference.query_len, 0 if star else inference.passing_len)
 
 
-def apb_rows(
-    prompt: torch.Tensor, block: torch.Tensor, block_positions: torch.Tensor, spec: ApbSpec
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's rows ``[B, n_a + n]`` and their position ids ``[B, n_a + n]``: anchor prefix and embedded
-    query of ``prompt [B, S0]``, then the rank's ``block [B, n]`` at ``block_positions [B, n]``."""
-    s0, n = prompt.shape[1], block.shape[1]
+def check_fit(spec: ApbSpec, s0: int, n: int) -> None:
+    """The anchor and embedded query must fit a prompt of ``s0`` tokens in blocks of ``n``."""
     if spec.anchor_len > n or spec.anchor_len > s0 or spec.query_len > s0:
         raise ValueError(
             f"sequence_parallel.inference.anchor_len={spec.anchor_len} / query_len={spec.query_len} do not fit a "
             f"prompt of {s0} tokens in blocks of {n}: anchor_len <= {min(n, s0)} and query_len <= {s0}; lower them"
         )
+
+
+def apb_rows(
+    prompt: torch.Tensor, block: torch.Tensor, block_positions: torch.Tensor, spec: ApbSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows ``[B, n_a + n]`` and their position ids ``[B, n_a + n]``: anchor prefix and embedded
+    query of ``prompt [B, S0]``, then the rank's ``block [B, n]`` at ``block_positions [B, n]``."""
+    s0 = prompt.shape[1]
+    check_fit(spec, s0, block.shape[1])
     l_a, l_q = spec.anchor_len, spec.query_len
     ids = torch.cat([prompt[:, :l_a], prompt[:, s0 - l_q :], block], dim=1)
     anchor = torch.arange(l_a + l_q, device=block.device).expand(block.shape[0], -1)
@@ -94,9 +99,15 @@ class _BlockCache:
         self.cache.store(layer, key[:, :, self.anchor_rows :], value[:, :, self.anchor_rows :])
 
 
-def _check(wrapper: Any) -> None:
-    """What APB / Star cannot honour, refused by name before any collective."""
+def _check(wrapper: Any, ids: torch.Tensor, position_ids: Any, star: bool) -> None:
+    """What APB / Star cannot honour, refused by name before any collective: recurrent layers, a layout without
+    one contiguous block per rank, packed prompts, anchor / query rows that do not fit the prompt's blocks."""
     hf, mesh = wrapper._parts.hf, wrapper.mesh
+    if position_ids is not None:
+        raise ValueError(
+            "APB / Star prefill of packed prompts (position_ids restarting): the anchor and passing blocks would "
+            f"cross documents; prefill one document per row, or {FIX}"
+        )
     name = type(hf).__name__
     if has_recurrent_layers(hf):
         raise UnsupportedModelError(
@@ -113,15 +124,13 @@ def _check(wrapper: Any) -> None:
             f"sequence_parallel.ring.layout={layout.ring.name!r} (dynamic_degree={mesh.settings.dynamic_degree}) does "
             "not: set ring.layout='contiguous' and dynamic_degree=false for this prefill, or " + FIX
         )
+    s0, mult = ids.shape[1], layout.multiple
+    block = max(mult, -(-s0 // mult) * mult) // world
+    check_fit(apb_spec(mesh, star), s0, block)
 
 
 def _forward(wrapper: Any, batch: dict[str, Any], ctx: SeqParContext, star: bool) -> torch.Tensor:
     """Hidden states ``[B, n, E]`` of this rank's block after the APB / Star forward of its rows."""
-    if batch["doc_ids"] is not None:
-        raise ValueError(
-            "APB / Star prefill of packed prompts (position_ids restarting): the anchor and passing blocks would "
-            f"cross documents; prefill one document per row, or {FIX}"
-        )
     spec = apb_spec(wrapper.mesh, star)
     ids, positions = apb_rows(batch["prompt_ids"], batch["input_ids"], batch["position_ids"], spec)
     cache = ctx.cache
@@ -145,7 +154,7 @@ register_prefill_mode(
         "apb",
         "APB: anchor block + blocks passed by the earlier ranks + own block; approximate (docs/inference.md)",
         lambda wrapper, batch, ctx: _forward(wrapper, batch, ctx, star=False),
-        _check,
+        lambda wrapper, ids, position_ids: _check(wrapper, ids, position_ids, star=False),
     )
 )
 register_prefill_mode(
@@ -153,6 +162,6 @@ register_prefill_mode(
         "star",
         "Star Attention: anchor block + own block; approximate, no collective in attention (docs/inference.md)",
         lambda wrapper, batch, ctx: _forward(wrapper, batch, ctx, star=True),
-        _check,
+        lambda wrapper, ids, position_ids: _check(wrapper, ids, position_ids, star=True),
     )
 )

@@ -44,12 +44,12 @@ class Prefilled:
 class PrefillMode:
     """How the prompt's forward runs: ``forward(wrapper, batch, ctx) -> hidden [B, n, E]`` of this rank's rows,
     with ``batch`` = ``shard_batch``'s output and ``ctx.cache`` set (its attention layers store their K/V);
-    ``check(wrapper)`` refuses, before any collective, what the mode cannot honour."""
+    ``check(wrapper, input_ids [B, S0], position_ids)`` refuses, before any collective, what the mode cannot honour."""
 
     name: str
     summary: str
     forward: Callable[[Any, dict[str, Any], SeqParContext], torch.Tensor]
-    check: Callable[[Any], None] = lambda wrapper: None
+    check: Callable[[Any, torch.Tensor, Any], None] = lambda wrapper, ids, position_ids: None
 
 
 def _exact_forward(wrapper: Any, batch: dict[str, Any], ctx: SeqParContext) -> torch.Tensor:
@@ -118,7 +118,7 @@ def refuse_undecodable(wrapper: Any, packed: bool = False) -> None:
 
 
 def _check_prompt(ids: torch.Tensor, wrapper: Any, position_ids: Any) -> torch.Tensor:
-    mesh = wrapper.mesh
+    """``ids`` as int64 ``[B, S0]`` on the model's device; shapes checked locally (no collective)."""
     ids = torch.as_tensor(ids)
     if ids.dim() != 2 or ids.shape[1] < 1 or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(
@@ -130,7 +130,6 @@ def _check_prompt(ids: torch.Tensor, wrapper: Any, position_ids: Any) -> torch.T
             f"prefill: position_ids {tuple(torch.as_tensor(position_ids).shape)} must match input_ids "
             f"{tuple(ids.shape)} (packed prompts: positions restarting at 0 per document)"
         )
-    check_same_inputs(mesh, "prefill", ("input_ids",), (ids,), fix="give every SP rank the same prompt")
     return ids.long().to(model_device(wrapper))
 
 
@@ -185,8 +184,8 @@ def prefill(
         )
     chosen = PREFILL_MODES[mode]
     refuse_undecodable(wrapper, packed=position_ids is not None)
-    chosen.check(wrapper)
     ids = _check_prompt(input_ids, wrapper, position_ids)
+    chosen.check(wrapper, ids, position_ids)
     b, s0 = ids.shape
     batch = shard_batch({"input_ids": ids, "position_ids": position_ids}, mesh, layout=input_layout(mesh))
     batch["prompt_ids"] = ids  # the whole prompt, for modes that need more than the shard (APB's anchor)
@@ -196,6 +195,8 @@ def prefill(
             "prefill: this batch runs in groups of ranks (sequence_parallel.dynamic_degree); decoding merges over the "
             "whole SP group: switch dynamic_degree off to generate"
         )
+    # the first collectives: the ranks' shapes, then their token ids
+    check_same_inputs(mesh, "prefill", ("input_ids",), (ids,), fix="give every SP rank the same prompt")
     _same_prompt(ids, mesh)
     order = layout.local_positions(batch["seq_len"], mesh.coords.sp_rank)
     packed = position_ids is not None
