@@ -42,20 +42,15 @@ def _modes(budgets: list[int]) -> list[tuple[str, int]]:
 
 
 def _prompts(args, seq_len: int) -> list[tuple[torch.Tensor, int]]:
-    """(ids [1, S], answer token) per passkey prompt ending with its question; a random prompt without --model."""
+    """(ids [1, S], answer token) per passkey prompt ending on its first question (the embedded task's held-out
+    rows, ``benchmarks/passkey_generate.py``); a random prompt without --model."""
     if args.model is None:
         g = torch.Generator().manual_seed(seq_len)
         return [(torch.randint(4, VOCAB, (1, seq_len), generator=g), -1)]
-    from transformers import AutoTokenizer
+    from benchmarks.passkey_generate import DEFAULT_SEED, passkey_prompts
 
-    from ds_seqpar.tasks.passkey import PasskeyTask
-
-    task = PasskeyTask(AutoTokenizer.from_pretrained(args.model), num_questions=1)
-    out = []
-    for i in range(args.samples):
-        sample = task.sample(seq_len + 1, torch.Generator().manual_seed(1000 + i))
-        out.append((sample["input_ids"][:-1].view(1, -1), int(sample["labels"][-1])))  # ends with "?"
-    return out
+    ids, answers, _ = passkey_prompts(args.model, seq_len, args.samples, DEFAULT_SEED)
+    return [(row.view(1, -1), answer) for row, answer in zip(ids, answers, strict=True)]
 
 
 def run_mode(model, base: SeqParMesh, mode: str, budget: int, prompts, reps: int) -> dict:
@@ -77,8 +72,10 @@ def run_mode(model, base: SeqParMesh, mode: str, budget: int, prompts, reps: int
         call(ids0)
     hits = [int(call(ids).argmax(-1)) == answer for ids, answer in prompts if answer >= 0]
     n = ids0.shape[1] // mesh.sp_size
-    d = WIDTH // HEADS
-    formula = 0 if spec is None else LAYERS * apb_layer_bytes(spec, mesh.sp_size, 1, n, HEADS // 2, d, d, 4)
+    cfg = model.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    layers, h_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
+    formula = 0 if spec is None else layers * apb_layer_bytes(spec, mesh.sp_size, 1, n, h_kv, d, d, 4)
     return {
         "mode": mode,
         "passing_len": "-" if spec is None else budget,
@@ -97,12 +94,14 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="HF model dir with the passkey tokenizer (accuracy)")
     parser.add_argument("--samples", type=int, default=16, help="passkey prompts with --model")
     parser.add_argument("--reps", type=int, default=1, help="timed prefills per mode (after one warm-up)")
+    parser.add_argument("--budgets", type=int, nargs="+", default=None,
+                        help="passing lengths l_p to run (0 = Star Attention; default 0 256 1024 4096 n)")  # fmt: skip
     args = parser.parse_args()
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     seq_len = 4096 if args.quick else 32768
     n = seq_len // world
-    budgets = [0, 64, 1024] if args.quick else [0, 256, 1024, 4096, n]
+    budgets = args.budgets or ([0, 64, 1024] if args.quick else [0, 256, 1024, 4096, n])
     model = (random_llama(VOCAB, WIDTH, LAYERS, HEADS) if args.model is None else _load(args.model)).eval()
     mesh = SeqParMesh.from_config({"size": world}, model.config)
     prompts = _prompts(args, seq_len)
@@ -128,9 +127,15 @@ def _save(rows: list[dict], world: int, seq_len: int, args) -> None:
         else "no accuracy (random model)"
     )
     table = save_results(
-        "apb_prefill_cpu" + ("_quick" if args.quick else ""),
+        "apb_prefill_cpu" + ("_quick" if args.quick else "") + ("_passkey" if args.model else ""),
         f"APB / Star vs exact SP prefill, S={seq_len} on {world} gloo CPU ranks (block n={seq_len // world}), "
-        f"anchor_len {ANCHOR}, query_len {QUERY}, Llama E={WIDTH} {LAYERS} layers H={HEADS} H_kv={HEADS // 2} fp32, "
+        f"anchor_len {ANCHOR}, query_len {QUERY}, "
+        + (
+            f"model {args.model}, "
+            if args.model
+            else f"Llama E={WIDTH} {LAYERS} layers H={HEADS} H_kv={HEADS // 2} "
+        )
+        + "fp32, "
         f"batch 1; slowest rank, median of {args.reps} after a warm-up; {what}",
         {
             "world": world,
