@@ -68,9 +68,9 @@ class Stalls:
 
     def stop(self) -> None:
         out = Path(self.spec["out"])
-        (out / "stall.json").write_text(
-            json.dumps({"time": time.time(), "rank": self.rank, "point": self.spec["point"]})
-        )
+        tmp = out / "stall.json.tmp"  # written whole, then renamed: the test polls the file while this runs
+        tmp.write_text(json.dumps({"time": time.time(), "rank": self.rank, "point": self.spec["point"]}))
+        os.replace(tmp, out / "stall.json")
         os.kill(os.getpid(), signal.SIGSTOP)
 
     def install(self) -> None:
