@@ -177,6 +177,7 @@ def bytes_syncs_packed_case() -> dict:
         ),
         "beams": _raises(sp.generate, ids, num_beams=2, max_new_tokens=2),
         "unknown": _raises(sp.generate, ids, max_new_tokens=2, frobnicate=3),
+        "guidance": _raises(sp.generate, ids, max_new_tokens=2, guidance_scale=1.5),
         "mamba2": _raises(ds_seqpar.generate, tiny_model("mamba2"), ids, mesh=mesh, max_new_tokens=2),
         "bloom": _raises(ds_seqpar.generate, tiny_model("bloom"), ids, mesh=mesh, max_new_tokens=2),
         "mode": _raises(ds_seqpar.prefill, sp, ids, mode="psychic"),
@@ -192,6 +193,7 @@ def test_decode_bytes_syncs_packed_and_refusals(dist_pool):
         assert res["syncs"] == [], where  # no host sync inside a decoding step
         assert res["packed_err"] <= TOL and res["packed_tokens"], where
         assert "num_beams=2" in res["beams"] and "frobnicate" in res["unknown"], where
+        assert "guidance_scale=1.5" in res["guidance"], where
         assert "Mamba2Mixer" in res["mamba2"], where
         assert "computes its attention scores itself" in res["bloom"], where
         assert "psychic" in res["mode"] and "[B, S]" in res["shape"], where

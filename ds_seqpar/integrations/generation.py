@@ -26,7 +26,7 @@ from ds_seqpar.mesh import SeqParMesh
 
 __all__ = ["GenerateOutput", "generate"]
 
-# GenerationConfig fields whose non-default value asks for something this loop does not do: (field, default, why)
+# GenerationConfig fields whose value (other than the neutral default(s)) asks for something this loop does not do: (field, default, why)
 REFUSED_SETTINGS = (
     ("num_beams", 1, "beam search"),
     ("num_beam_groups", 1, "group beam search"),
@@ -38,6 +38,7 @@ REFUSED_SETTINGS = (
     ("assistant_early_exit", None, "self-speculative decoding"),
     ("output_attentions", False, "attention weights"),
     ("output_hidden_states", False, "hidden states"),
+    ("guidance_scale", (None, 1, 1.0), "classifier-free guidance (its processor runs the unsharded model)"),
 )
 
 
@@ -62,8 +63,9 @@ def _config(hf: torch.nn.Module, generation_config: Any, sampling: dict[str, Any
             "such as do_sample, temperature, top_k, top_p, repetition_penalty, eos_token_id are)"
         )
     for name, default, what in REFUSED_SETTINGS:
-        value = getattr(config, name, default)
-        if value is not None and value != default:
+        value = getattr(config, name, None)
+        neutral = default if isinstance(default, tuple) else (default,)
+        if value is not None and value not in neutral:
             raise UnsupportedModelError(
                 f"generate: {name}={value!r} asks for {what}, which ds_seqpar does not run"
             )
