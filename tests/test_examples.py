@@ -339,3 +339,10 @@ def test_speech_seq2seq_runs_under_torchrun():
     done = run_launcher(cmd, cwd=str(ROOT))
     losses = _launch_losses(done, "examples/speech_seq2seq.py: 2 steps")
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses), losses
+
+
+def test_vlm_example_single_process_loss_falls():
+    """examples/vlm.py --single: the plain HF Qwen2-VL on the shipped multimodal rows (the reference of its
+    SP run); main raises unless the loss falls."""
+    losses = load_example("vlm").main(["--single", "--max-steps", "4"])
+    assert len(losses) == 4 and sum(losses[2:]) < sum(losses[:2]), losses

@@ -15,6 +15,7 @@ from ds_seqpar.cli.vlm import (
     PackedVlmDataset,
     collate_vlm,
     family_of,
+    hf_inputs,
     position_function,
     read_vlm_data,
     reference_loss,
@@ -100,21 +101,8 @@ def test_packed_batch_through_hf_equals_each_record_alone(config, records, model
     assert torch.equal(
         batch["image_grid_thw"], torch.cat([r.vision["image_grid_thw"] for r in records if r.vision])
     )
-    doc = batch["doc_ids"]
-    text_pos = torch.zeros_like(doc)
-    for b in range(doc.shape[0]):
-        for d in doc[b].unique():
-            text_pos[b, doc[b] == d] = torch.arange(int((doc[b] == d).sum()))
-    vision = {k: batch[k] for k in ("pixel_values", "image_grid_thw")}
     with torch.no_grad():
-        packed = model(
-            input_ids=batch["input_ids"],
-            labels=batch["labels"],
-            position_ids=torch.cat([text_pos[None], batch["position_ids"]]),
-            mm_token_type_ids=batch["mm_token_type_ids"],
-            use_cache=False,
-            **vision,
-        ).loss
+        packed = model(**hf_inputs(batch)).loss
         alone = reference_loss(model, [records[i] for row in data.rows[:2] for i in row])
     assert abs(packed.item() - alone.item()) <= 1e-5 * abs(alone.item()), (packed.item(), alone.item())
 

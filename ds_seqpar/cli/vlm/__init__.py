@@ -16,6 +16,7 @@ from ds_seqpar.cli.vlm.families import FAMILIES, VlmFamily, family_of, load_proc
 from ds_seqpar.cli.vlm.packing import (
     PackedVlmDataset,
     collate_vlm,
+    hf_inputs,
     pack_indices,
     position_function,
     reference_loss,
@@ -31,6 +32,7 @@ __all__ = [
     "VlmRecord",
     "collate_vlm",
     "family_of",
+    "hf_inputs",
     "load_processor",
     "pack_indices",
     "position_function",

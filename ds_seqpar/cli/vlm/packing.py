@@ -107,6 +107,24 @@ def collate_vlm(rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
     return batch
 
 
+def hf_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The plain HF form of a collated batch (the single-process reference forward): ``doc_ids`` dropped,
+    mRoPE ``position_ids [3, B, S]`` led by the text positions restarting per document (``[4, B, S]``, what
+    Qwen2-VL's text model builds its packed-sequence mask from) and ``use_cache=False`` (HF builds that
+    mask only without a cache)."""
+    out: dict[str, Any] = {k: v for k, v in batch.items() if k != "doc_ids"}
+    pos = batch["position_ids"]
+    if pos.dim() == 3:
+        doc = batch["doc_ids"]
+        starts = torch.ones_like(doc, dtype=torch.bool)
+        starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+        index = torch.arange(doc.shape[1]).expand_as(doc)
+        first = torch.cummax(torch.where(starts, index, 0), dim=1).values
+        out["position_ids"] = torch.cat([(index - first)[None], pos])
+    out["use_cache"] = False
+    return out
+
+
 def reference_loss(model: Any, records: Sequence[EncodedRecord]) -> torch.Tensor:
     """The single-process reference: each record through the plain HF forward ALONE; the token-weighted
     mean of their next-token losses (what the SP group's loss of the packed rows must equal)."""
