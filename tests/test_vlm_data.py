@@ -178,3 +178,25 @@ def test_videos_without_torchvision_are_refused_by_name(config):
         SeqParConfigError, match=r"videos.jsonl:1: a record with videos.*pip install torchvision"
     ):
         read_vlm_data(str(DATA / "videos.jsonl"), MODEL, config, 256)
+
+
+TRAIN = ["--data", str(DATA / "train.jsonl"), "--seq-len", "256", "--max-steps", "2"]
+VLM = ["--model", MODEL, "--random-init"]
+PARSE_REFUSALS = [
+    ([*TRAIN], "has no vision_config: the text reader would drop the images"),
+    ([*VLM, *TRAIN, "--packing", "balanced"], "--packing 'balanced' with multimodal --data"),
+    ([*VLM, *TRAIN, "--text-field", "caption"], "--text-field 'caption' with multimodal --data"),
+    ([*VLM, *TRAIN, "--seq-len", "32"], "do not fit a row of --seq-len 32"),
+    ([*VLM, *TRAIN], "train.py does not train vision-language models yet"),
+]
+
+
+@pytest.mark.parametrize("argv,message", PARSE_REFUSALS)
+def test_train_py_refuses_in_parse_args(argv, message):
+    """train.py --data with images: what the multimodal reader cannot honour fails in parse_args (no process
+    group exists yet), the text reader never sees such records."""
+    from ds_seqpar.cli import parse_args
+
+    with pytest.raises(SeqParConfigError) as info:
+        parse_args(argv)
+    assert message in str(info.value), str(info.value)

@@ -1,0 +1,70 @@
+"""``train.py --data`` with multimodal records: the checks of ``parse_args`` (before any process group) and
+the datasets of the curriculum's phases (docs/multimodal_data.md, "With train.py")."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from ds_seqpar.cli.vlm.encode import EncodedRecord
+from ds_seqpar.cli.vlm.families import family_of
+from ds_seqpar.cli.vlm.packing import PackedVlmDataset, position_function
+from ds_seqpar.cli.vlm.records import has_vision
+from ds_seqpar.errors import SeqParConfigError
+
+# train.py flags the multimodal reader does not honour, with their default (what "not given" is)
+UNHONOURED = {
+    "objective": ("causal", "the masked-LM objective has no vision-language model"),
+    "packing": ("fixed", "multimodal records are packed whole, in file order"),
+    "text_field": ("text", "the record format names its fields: text, prompt, images, videos"),
+    "eval_data": (None, "the held-out text set is read by the text reader"),
+    "eval_generate": (False, "the passkey generation check is for the text task"),
+}
+
+
+def check_vlm_data(args: argparse.Namespace, config: Any, model_path: str) -> list[EncodedRecord] | None:
+    """``--data``'s records encoded by the model's processor when it has images / videos (else None);
+    refuses a text-only model, a flag the reader does not honour, and every defect of the records."""
+    if args.data is None or not has_vision(args.data):
+        return None
+    if getattr(config, "vision_config", None) is None:
+        raise SeqParConfigError(
+            f"--data {args.data} has records with images / videos, but the model at {model_path} (model_type "
+            f"{getattr(config, 'model_type', None)!r}) has no vision_config: the text reader would drop the "
+            "images; fix: a vision-language model (e.g. --model assets/tiny-qwen2-vl --random-init), or "
+            "records without images / videos"
+        )
+    for flag, (default, why) in UNHONOURED.items():
+        value = getattr(args, flag, default)
+        if value != default:
+            raise SeqParConfigError(
+                f"--{flag.replace('_', '-')} {value!r} with multimodal --data {args.data}: not honoured ({why}); "
+                f"fix: drop --{flag.replace('_', '-')}"
+            )
+    from ds_seqpar.cli.vlm import read_vlm_data
+
+    shortest = min(seq for seq, _ in args.phases)  # every record must fit a row of every phase
+    records = read_vlm_data(args.data, str(model_path), config, shortest)
+    raise SeqParConfigError(
+        f"--data {args.data}: {len(records)} multimodal records read and checked, but train.py does not train "
+        "vision-language models yet (its engine path needs ds_seqpar.SeqParVisionLM); fix: train with "
+        "examples/vlm.py, which runs SeqParVisionLM on these rows"
+    )
+
+
+def vlm_datasets(args: argparse.Namespace, model: Any, pad_token_id: int) -> tuple[list[Any], Any]:
+    """One packed dataset per curriculum phase and the held-out rows (the last rows at ``--seq-len``,
+    ``min(--eval-samples, rows // 10)``, at least 1, as for text)."""
+    family = family_of(model.config)
+    positions = position_function(family, model)
+    train, held = [], None
+    for seq_len, _ in args.phases:
+        data = PackedVlmDataset(args.vlm_records, seq_len, positions, pad_token_id)
+        n_eval = min(args.eval_samples, max(1, len(data) // 10))
+        keep = range(len(data) - n_eval) if len(data) > n_eval else range(len(data))
+        train.append(torch.utils.data.Subset(data, keep))
+        if seq_len == args.seq_len:
+            held = torch.utils.data.Subset(data, range(len(data) - n_eval, len(data)))
+    return train, held
