@@ -58,6 +58,7 @@ from ds_seqpar.integrations.recurrent_layers import register_recurrent_layer
 from ds_seqpar.integrations.routing import disable_sequence_parallel, enable_sequence_parallel
 from ds_seqpar.integrations.seq2seq import SeqParSeq2SeqLM, shard_encoder_states
 from ds_seqpar.integrations.sharded_cache import ShardedCache
+from ds_seqpar.integrations.vision import SeqParVisionLM
 from ds_seqpar.layout import LayoutError, register_layout
 from ds_seqpar.loss import sp_causal_lm_loss
 from ds_seqpar.memory import (
@@ -103,6 +104,7 @@ __all__ = [
     "SeqParSeq2SeqLM",
     "SeqParSettings",
     "SeqParTrainer",
+    "SeqParVisionLM",
     "SequenceParallelConfig",
     "ShardedCache",
     "SparseLayerStats",
