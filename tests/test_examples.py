@@ -341,8 +341,29 @@ def test_speech_seq2seq_runs_under_torchrun():
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses), losses
 
 
-def test_vlm_example_single_process_loss_falls():
+@pytest.mark.parametrize("pack", [[], ["--pack"]], ids=["one_per_row", "packed"])
+def test_vlm_example_single_process_loss_falls(pack):
     """examples/vlm.py --single: the plain HF Qwen2-VL on the shipped multimodal rows (the reference of its
     SP run); main raises unless the loss falls."""
-    losses = load_example("vlm").main(["--single", "--max-steps", "4"])
+    losses = load_example("vlm").main(["--single", "--max-steps", "4", *pack])
     assert len(losses) == 4 and sum(losses[2:]) < sum(losses[:2]), losses
+
+
+def vlm_sp_and_single(steps: int) -> tuple[list[float], list[float]]:
+    """examples/vlm.py's training under SeqParVisionLM on this pool's ranks, and in one process (plain HF)."""
+    example = load_example("vlm")
+    args = example.parse(["--max-steps", str(steps)])
+    return example.train(args, sp=True)[0], example.train(args, sp=False)[0]
+
+
+def test_vlm_example_under_sp_equals_one_process(dist_pool):
+    """4 AdamW steps of examples/vlm.py on 2 ranks (vision inputs whole on each rank, tokens sharded, gradients
+    summed over the group) give the plain model's losses in one process."""
+    for sp, single in dist_pool(2).run(vlm_sp_and_single, 4):
+        for a, b in zip(sp, single, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (sp, single)
+
+
+def test_vlm_example_runs_under_torchrun():
+    cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "examples/vlm.py", "--max-steps", "4"]
+    assert len(_launch_losses(run_launcher(cmd, cwd=str(ROOT)), "examples/vlm.py: 4 steps")) == 4

@@ -3,7 +3,7 @@
 ``read_vlm_data(path, model_path, config, seq_len)`` reads a JSONL of records with images / videos
 (``records.py``), runs the model's own processor on each (``encode.py``) and checks that each fits a row;
 ``PackedVlmDataset`` packs them into rows with document ids and per-document positions (``packing.py``);
-``collate_vlm`` batches rows for ``SeqParVisionLM``. ``uses_vlm_reader`` says when ``train.py --data`` takes
+``collate_vlm`` batches rows and ``shard_vlm_batch`` turns a batch into ``SeqParVisionLM``'s inputs. ``uses_vlm_reader`` says when ``train.py --data`` takes
 this reader: the model has a ``vision_config`` and a record has images or videos.
 """
 
@@ -20,8 +20,10 @@ from ds_seqpar.cli.vlm.packing import (
     pack_indices,
     position_function,
     reference_loss,
+    text_positions,
 )
 from ds_seqpar.cli.vlm.records import VlmRecord, has_vision, read_records
+from ds_seqpar.cli.vlm.sharding import shard_vlm_batch
 
 __all__ = [
     "FAMILIES",
@@ -39,6 +41,8 @@ __all__ = [
     "read_records",
     "read_vlm_data",
     "reference_loss",
+    "shard_vlm_batch",
+    "text_positions",
     "uses_vlm_reader",
 ]
 

@@ -24,8 +24,11 @@ from ds_seqpar.errors import SeqParConfigError
 TOKEN_ROW_KEYS = ("input_ids", "labels", "doc_ids", "mm_token_type_ids")
 
 
-def pack_indices(lengths: Sequence[int], seq_len: int, where: Sequence[str] | None = None) -> list[list[int]]:
-    """Record indices per row: in order, a row takes the next record while the sum fits ``seq_len``."""
+def pack_indices(
+    lengths: Sequence[int], seq_len: int, where: Sequence[str] | None = None, pack: bool = True
+) -> list[list[int]]:
+    """Record indices per row: in order, a row takes the next record while the sum fits ``seq_len`` (with
+    ``pack=False`` every record is a row of its own)."""
     rows: list[list[int]] = []
     used = seq_len
     for i, n in enumerate(lengths):
@@ -35,7 +38,7 @@ def pack_indices(lengths: Sequence[int], seq_len: int, where: Sequence[str] | No
                 f"{name}: {n} tokens (with its image / video tokens and EOS) do not fit a row of --seq-len "
                 f"{seq_len}; fix: a longer --seq-len, smaller images, or fewer frames"
             )
-        if used + n > seq_len:
+        if used + n > seq_len or not pack:
             rows.append([])
             used = 0
         rows[-1].append(i)
@@ -59,7 +62,7 @@ def position_function(family: VlmFamily, model: Any) -> Callable[[EncodedRecord]
 
 class PackedVlmDataset(Dataset):
     """Rows of ``seq_len`` tokens from ``records`` (see the module docstring); ``positions``: a
-    ``position_function``; ``pad_token_id`` fills the end of each row."""
+    ``position_function``; ``pad_token_id`` fills the end of each row; ``pack=False``: one record per row."""
 
     def __init__(
         self,
@@ -67,10 +70,12 @@ class PackedVlmDataset(Dataset):
         seq_len: int,
         positions: Callable[[EncodedRecord], torch.Tensor],
         pad_token_id: int = 0,
+        pack: bool = True,
     ):
         self.records, self.seq_len, self.positions = list(records), seq_len, positions
         self.pad_token_id = pad_token_id
-        self.rows = pack_indices([len(r) for r in self.records], seq_len, [r.where for r in self.records])
+        where = [r.where for r in self.records]
+        self.rows = pack_indices([len(r) for r in self.records], seq_len, where, pack)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -107,20 +112,22 @@ def collate_vlm(rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
     return batch
 
 
+def text_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` positions restarting at 0 at every change of ``doc_ids [B, S]`` (padding: one more run)."""
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    index = torch.arange(doc_ids.shape[1]).expand_as(doc_ids)
+    return index - torch.cummax(torch.where(starts, index, 0), dim=1).values
+
+
 def hf_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The plain HF form of a collated batch (the single-process reference forward): ``doc_ids`` dropped,
     mRoPE ``position_ids [3, B, S]`` led by the text positions restarting per document (``[4, B, S]``, what
     Qwen2-VL's text model builds its packed-sequence mask from) and ``use_cache=False`` (HF builds that
     mask only without a cache)."""
     out: dict[str, Any] = {k: v for k, v in batch.items() if k != "doc_ids"}
-    pos = batch["position_ids"]
-    if pos.dim() == 3:
-        doc = batch["doc_ids"]
-        starts = torch.ones_like(doc, dtype=torch.bool)
-        starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
-        index = torch.arange(doc.shape[1]).expand_as(doc)
-        first = torch.cummax(torch.where(starts, index, 0), dim=1).values
-        out["position_ids"] = torch.cat([(index - first)[None], pos])
+    if batch["position_ids"].dim() == 3:
+        out["position_ids"] = torch.cat([text_positions(batch["doc_ids"])[None], batch["position_ids"]])
     out["use_cache"] = False
     return out
 
