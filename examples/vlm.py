@@ -6,8 +6,8 @@
 The data is ``assets/vlm_data/train.jsonl`` (records with images, docs/multimodal_data.md), read by the
 model's own processor into rows of ``--seq-len`` tokens, one record per row (``--pack``: several per row, with
 document ids and each record's own mRoPE positions; ``ds_seqpar.cli.vlm``). Every rank gets the same full
-row; ``shard_vlm_batch`` keeps this rank's tokens (``ds_seqpar.shard_batch``) and passes the vision inputs
-whole; ``ds_seqpar.SeqParVisionLM`` returns the SP group's token-mean loss. After backward each rank holds
+row; ``vlm_dataloader`` (``shard_vlm_batch``) keeps this rank's tokens (``ds_seqpar.shard_batch``) and passes
+the vision inputs whole; ``ds_seqpar.SeqParVisionLM`` returns the SP group's token-mean loss. After backward each rank holds
 its share of every gradient, summed over the SP group here (the semantics of ``SeqParCausalLM`` with
 ``grad_scale=1``). ``--single`` runs the plain HF model in one process on the same rows (the reference). The
 model is the shipped tiny Qwen2-VL with seeded random weights (``--model`` loads one with
@@ -31,7 +31,7 @@ from ds_seqpar.cli.vlm import (
     hf_inputs,
     position_function,
     read_vlm_data,
-    shard_vlm_batch,
+    vlm_dataloader,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,15 +82,18 @@ def train(args: argparse.Namespace, sp: bool = True) -> tuple[list[float], int]:
         mesh = ds_seqpar.SeqParMesh.from_config({"size": dist.get_world_size()}, model.config)
         loss_fn = ds_seqpar.SeqParVisionLM(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    if mesh is not None:  # the rows in order, this rank's tokens and the vision inputs whole
+        loader = vlm_dataloader(rows, mesh, 1, shuffle=False, pad_token_id=rows.pad_token_id)
     losses = []
     for step in range(args.max_steps):
-        batch = collate_vlm([rows[step % len(rows)]])
         opt.zero_grad()
         if mesh is None:
-            loss = model(**hf_inputs(batch)).loss
+            loss = model(**hf_inputs(collate_vlm([rows[step % len(rows)]]))).loss
             loss.backward()
         else:
-            loss = loss_fn(**shard_vlm_batch(batch, mesh, rows.pad_token_id))
+            if step % len(rows) == 0:
+                batches = iter(loader)
+            loss = loss_fn(**next(batches))
             loss.backward()
             for p in model.parameters():  # each rank holds its share of every gradient
                 if p.grad is not None:

@@ -3,7 +3,8 @@
 ``read_vlm_data(path, model_path, config, seq_len)`` reads a JSONL of records with images / videos
 (``records.py``), runs the model's own processor on each (``encode.py``) and checks that each fits a row;
 ``PackedVlmDataset`` packs them into rows with document ids and per-document positions (``packing.py``);
-``collate_vlm`` batches rows and ``shard_vlm_batch`` turns a batch into ``SeqParVisionLM``'s inputs. ``uses_vlm_reader`` says when ``train.py --data`` takes
+``collate_vlm`` batches rows and ``shard_vlm_batch`` turns a batch into ``SeqParVisionLM``'s inputs
+(``vlm_dataloader``: both, over the dp replicas). ``uses_vlm_reader`` says when ``train.py --data`` takes
 this reader: the model has a ``vision_config`` and a record has images or videos.
 """
 
@@ -13,6 +14,7 @@ from typing import Any
 
 from ds_seqpar.cli.vlm.encode import EncodedRecord, VlmEncoder
 from ds_seqpar.cli.vlm.families import FAMILIES, VlmFamily, family_of, load_processor
+from ds_seqpar.cli.vlm.loaders import VlmCollator, vlm_dataloader
 from ds_seqpar.cli.vlm.packing import (
     PackedVlmDataset,
     collate_vlm,
@@ -29,6 +31,7 @@ __all__ = [
     "FAMILIES",
     "EncodedRecord",
     "PackedVlmDataset",
+    "VlmCollator",
     "VlmEncoder",
     "VlmFamily",
     "VlmRecord",
@@ -44,6 +47,7 @@ __all__ = [
     "shard_vlm_batch",
     "text_positions",
     "uses_vlm_reader",
+    "vlm_dataloader",
 ]
 
 
