@@ -41,6 +41,7 @@ from ds_seqpar.data import seqpar_dataloader
 from ds_seqpar.integrations.causal_lm import SeqParCausalLM, SeqParMaskedLM
 from ds_seqpar.integrations.hf_model import objective_of, unwrap_hf_model
 from ds_seqpar.integrations.parallelism_config import install_trainer_guard
+from ds_seqpar.integrations.vision import SeqParVisionLM, is_vision_lm
 from ds_seqpar.loss import sp_grad_scale
 from ds_seqpar.mesh import SeqParMesh, group_timeout_s
 
@@ -171,13 +172,15 @@ def wrap_for_training(
     cls: type | None = None,
 ) -> SeqParCausalLM:
     """``SeqParCausalLM(model)`` (``SeqParMaskedLM`` for a masked-LM model, see ``objective_of``;
-    ``SeqParSeq2SeqLM`` for an encoder-decoder; ``cls`` when given) with the gradient factor of the config's
+    ``SeqParSeq2SeqLM`` for an encoder-decoder; ``SeqParVisionLM`` for a vision-language model; ``cls`` when given) with the gradient factor of the config's
     ZeRO stage (``sp_grad_scale``)."""
     from ds_seqpar.integrations.seq2seq import SeqParSeq2SeqLM
 
     grad_scale = sp_grad_scale(zero_stage(ds_config), mesh.sp_size)
     if cls is None:
         cls = SeqParMaskedLM if objective_of(model) == "masked" else SeqParCausalLM
+        if is_vision_lm(model):
+            cls = SeqParVisionLM
         if getattr(getattr(unwrap_hf_model(model), "config", None), "is_encoder_decoder", False):
             cls = SeqParSeq2SeqLM
     return cls(model, mesh, grad_scale=grad_scale, loss_chunk_size=loss_chunk_size)

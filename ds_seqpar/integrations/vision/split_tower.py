@@ -58,7 +58,9 @@ class _LazyGathered(tuple):
     """A tuple of local per-unit tensors whose entries are all-gathered when read (hidden states of every
     layer: the model reads one or two of them). Every rank reads the same entries in the same order."""
 
-    def __new__(cls, local: Sequence[torch.Tensor], gather: Any) -> _LazyGathered:
+    def __new__(cls, local: Sequence[torch.Tensor], gather: Any = None) -> Any:
+        if gather is None:  # rebuilt from an iteration (type(x)(...)): its entries are gathered already
+            return tuple(local)
         obj = super().__new__(cls, local)
         obj._gather, obj._done = gather, {}
         return obj
@@ -68,7 +70,8 @@ class _LazyGathered(tuple):
             return tuple(self[i] for i in range(len(self))[index])
         i = range(len(self))[index]
         if i not in self._done:
-            self._done[i] = self._gather(tuple.__getitem__(self, i))
+            local = tuple.__getitem__(self, i)
+            self._done[i] = None if local is None else self._gather(local)
         return self._done[i]
 
     def __iter__(self) -> Iterator[torch.Tensor]:
@@ -111,7 +114,9 @@ def _split_call(module: torch.nn.Module, rule: TowerRule, team: TeamComm, args: 
     for name, value in out.items():
         if isinstance(value, torch.Tensor):
             fields[name] = gather(value)
-        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+        elif isinstance(value, (list, tuple)) and all(
+            v is None or isinstance(v, torch.Tensor) for v in value
+        ):
             fields[name] = (
                 _LazyGathered(value, gather) if name == "hidden_states" else [gather(v) for v in value]
             )

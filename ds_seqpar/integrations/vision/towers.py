@@ -89,7 +89,9 @@ def _claims_frames(module: torch.nn.Module) -> bool:
 
 def _split_frames(kwargs: dict[str, Any]) -> TowerCall:
     patches, grid = kwargs["hidden_states"], kwargs["grid_thw"]
-    extra = sorted(k for k, v in kwargs.items() if k not in ("hidden_states", "grid_thw") and v is not None)
+    extra = sorted(
+        k for k, v in kwargs.items() if k not in ("hidden_states", "grid_thw") and torch.is_tensor(v)
+    )
     if extra:
         raise ValueError(
             f"the vision tower got {extra} besides hidden_states and grid_thw; ds_seqpar splits it by temporal "
@@ -111,7 +113,7 @@ def _split_frames(kwargs: dict[str, Any]) -> TowerCall:
     def subset(chosen: list[int]) -> dict[str, Any]:
         rows = torch.cat([torch.arange(units[u][0], units[u][0] + units[u][1]) for u in chosen])
         sub_grid = torch.stack([torch.tensor([1, *grid[units[u][2], 1:].tolist()]) for u in chosen])
-        return {
+        return kwargs | {
             "hidden_states": patches.index_select(0, rows.to(patches.device)),
             "grid_thw": sub_grid.to(grid.device),
         }

@@ -22,12 +22,21 @@ import torch
 
 from ds_seqpar.integrations.causal_lm import SeqParCausalLM
 from ds_seqpar.integrations.context import ACTIVE_CONTEXT, SeqParContext
-from ds_seqpar.integrations.hf_model import UnsupportedModelError
+from ds_seqpar.integrations.hf_model import UnsupportedModelError, unwrap_hf_model
 from ds_seqpar.integrations.vision.language import TokenShard, sharded_language_model
-from ds_seqpar.integrations.vision.split_tower import split_towers
+from ds_seqpar.integrations.vision.positions import packed_rope_positions
+from ds_seqpar.integrations.vision.split_tower import split_towers, vision_towers
 from ds_seqpar.settings import input_layout
 
-__all__ = ["SeqParVisionLM"]
+__all__ = ["SeqParVisionLM", "is_vision_lm"]
+
+
+def is_vision_lm(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or the HF model inside a PEFT wrapper) is a VLM ``SeqParVisionLM`` runs: a base model
+    with a ``language_model`` and a vision tower."""
+    hf = unwrap_hf_model(model)
+    return getattr(getattr(hf, "model", None), "language_model", None) is not None and bool(vision_towers(hf))
+
 
 # Keywords of a VLM's forward that the wrapper sets itself or that have no meaning in SP training.
 OWN_KEYWORDS = frozenset(
@@ -94,12 +103,13 @@ class SeqParVisionLM(SeqParCausalLM):
         seq_len = rows.shape[1]
         vision = {k: self._padded(k, v, seq_len) for k, v in vision.items()}
         doc = ctx.doc_ids
-        if doc is not None and int(doc.max()) > 0 and self._mrope:
-            raise UnsupportedModelError(
-                f"{type(self._parts.hf).__name__}: packed documents with 3-D position ids (mRoPE) need the "
-                "family's positions per document, which this release does not compute; one document per row"
-            )
         attention_mask = None if doc is None or bool((doc >= 0).all()) else (doc >= 0).long()
+        if self._mrope:
+            positions = (
+                None
+                if doc is None or int(doc.max()) == 0
+                else packed_rope_positions(self._base, rows, doc, vision)
+            )
         shard = TokenShard(layout, self.mesh.coords.sp_rank, seq_len, masks_handled=True)
         local = SeqParContext(self.mesh, local_attention=self._local_attention)
         token = ACTIVE_CONTEXT.set(local)
@@ -111,7 +121,7 @@ class SeqParVisionLM(SeqParCausalLM):
                 out = self._base(
                     input_ids=rows,
                     attention_mask=attention_mask,
-                    position_ids=None if self._mrope else positions,
+                    position_ids=positions,
                     use_cache=False,
                     **vision,
                 )

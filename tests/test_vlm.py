@@ -1,0 +1,81 @@
+"""Vision-language models under SP vs the same model without SP (gloo, 4 ranks, tiny models from configs):
+the loss and every gradient of the language model, the projector and the vision tower, with images cut by the
+shards, several images per row, videos and packed documents; the split vision tower; ZeRO-3; refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from ds_seqpar.integrations.vision.split_tower import assign_units
+from tests.helpers.vlm_ab import tower_split_vs_whole, vlm_sp_vs_reference, vlm_zero3_vs_reference
+from tests.helpers.vlm_models import VIDEO_KINDS, VLM_KINDS
+
+
+def spec_of(kind: str) -> list[list]:
+    """Two images and a video (Gemma 3: three images) in one row, cut by the shards of 4 ranks."""
+    middle = "video" if kind in VIDEO_KINDS else "image"
+    return [[3 if kind == "qwen3_vl" else 5, "image", 7, middle, 3, "image", 4]]
+
+
+def packed_spec(kind: str) -> list[list]:
+    middle = "video" if kind in VIDEO_KINDS else "image"
+    return [[5, "image", 3], [2, middle, 4, "image", 2], [6]]
+
+
+MESHES = [(2, "zigzag"), (1, "zigzag")]  # U2 x R2, ring of 4
+
+
+@pytest.mark.parametrize("kind", VLM_KINDS)
+def test_vlm_loss_and_every_gradient_equal_the_plain_model(dist_pool, kind):
+    for u, layout in MESHES:
+        for rep in dist_pool(4).run(vlm_sp_vs_reference, kind, u, layout, spec_of(kind)):
+            assert rep["split_runs"] >= 1, rep  # an image / video lies on two ranks' shards
+            assert rep["vision_grads"] > 0, rep
+            assert rep["loss_err"] <= 1e-5, (u, layout, rep)
+            assert max(rep["grad"].values()) <= 1e-5, (u, layout, rep)
+
+
+@pytest.mark.parametrize("kind", VLM_KINDS)
+def test_packed_multimodal_documents_equal_each_document_alone(dist_pool, kind):
+    for rep in dist_pool(4).run(vlm_sp_vs_reference, kind, 2, "zigzag", packed_spec(kind), True):
+        assert rep["loss_err"] <= 1e-5, rep
+        assert max(rep["grad"].values()) <= 1e-5, rep
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "llava_next_video"])
+def test_split_vision_tower_equals_the_whole_tower(dist_pool, kind):
+    """A video of 7 frames on 4 ranks: fp64 outputs and input gradients of the split tower equal the whole's."""
+    for rep in dist_pool(4).run(tower_split_vs_whole, kind, 7):
+        assert rep["split"], rep
+        assert rep["units"] == 7, rep
+        assert rep["out_err"] <= 1e-10 and rep["dx_err"] <= 1e-10, rep
+
+
+def test_fewer_units_than_ranks_still_exact(dist_pool):
+    """One image on 4 ranks: three ranks own no unit (they run the tower on a stand-in and contribute nothing)."""
+    for rep in dist_pool(4).run(vlm_sp_vs_reference, "gemma3", 2, "zigzag", [[9, "image", 11]]):
+        assert rep["loss_err"] <= 1e-5 and max(rep["grad"].values()) <= 1e-5, rep
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "llava_onevision", "gemma3"])
+def test_vlm_under_zero3_matches_plain_training(dist_pool, kind):
+    for rep in dist_pool(4).run(vlm_zero3_vs_reference, kind, spec_of(kind)):
+        assert rep["loss_err"] <= 1e-5, rep
+        assert max(rep["grad"].values()) <= 1e-5, rep
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl", "llava_next_video"])
+def test_vlm_under_zero3_matches_plain_training_more_families(dist_pool, kind):
+    for rep in dist_pool(4).run(vlm_zero3_vs_reference, kind, spec_of(kind)):
+        assert rep["loss_err"] <= 1e-5, rep
+        assert max(rep["grad"].values()) <= 1e-5, rep
+
+
+def test_assign_units_balances_whole_units():
+    costs = [16, 16, 16, 64, 4, 4, 4, 4]
+    owners = assign_units(costs, 4)
+    load = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(4)]
+    assert max(load) <= sum(costs) / 4 + max(costs)
+    assert owners[3] == 0 and sorted(set(owners)) == [0, 1, 2, 3]
+    assert assign_units([5], 4) == [0]
