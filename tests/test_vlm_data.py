@@ -187,7 +187,7 @@ PARSE_REFUSALS = [
     ([*VLM, *TRAIN, "--packing", "balanced"], "--packing 'balanced' with multimodal --data"),
     ([*VLM, *TRAIN, "--text-field", "caption"], "--text-field 'caption' with multimodal --data"),
     ([*VLM, *TRAIN, "--seq-len", "32"], "do not fit a row of --seq-len 32"),
-    ([*VLM, *TRAIN], "train.py does not train vision-language models yet"),
+    ([*VLM, *TRAIN, "--objective", "mlm"], "--objective 'mlm' with multimodal --data"),
 ]
 
 

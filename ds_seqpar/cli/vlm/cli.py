@@ -1,5 +1,6 @@
-"""``train.py --data`` with multimodal records: the checks of ``parse_args`` (before any process group) and
-the datasets of the curriculum's phases (docs/multimodal_data.md, "With train.py")."""
+"""``train.py --data`` with multimodal records: the checks of ``parse_args`` (before any process group), the
+datasets of the curriculum's phases, and the processor's files next to the export (docs/multimodal_data.md,
+"With train.py"); the loaders are ``loaders.py``'s."""
 
 from __future__ import annotations
 
@@ -46,12 +47,7 @@ def check_vlm_data(args: argparse.Namespace, config: Any, model_path: str) -> li
     from ds_seqpar.cli.vlm import read_vlm_data
 
     shortest = min(seq for seq, _ in args.phases)  # every record must fit a row of every phase
-    records = read_vlm_data(args.data, str(model_path), config, shortest)
-    raise SeqParConfigError(
-        f"--data {args.data}: {len(records)} multimodal records read and checked, but train.py does not train "
-        "vision-language models yet (its engine path needs ds_seqpar.SeqParVisionLM); fix: train with "
-        "examples/vlm.py, which runs SeqParVisionLM on these rows"
-    )
+    return read_vlm_data(args.data, str(model_path), config, shortest)
 
 
 def vlm_datasets(args: argparse.Namespace, model: Any, pad_token_id: int) -> tuple[list[Any], Any]:
@@ -68,3 +64,20 @@ def vlm_datasets(args: argparse.Namespace, model: Any, pad_token_id: int) -> tup
         if seq_len == args.seq_len:
             held = torch.utils.data.Subset(data, range(len(data) - n_eval, len(data)))
     return train, held
+
+
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+
+
+def copy_processor_files(model_path: str, out_dir: str) -> list[str]:
+    """The processor's configs of ``model_path`` next to the exported model (``AutoProcessor`` loads it from
+    there); returns the files copied."""
+    import os
+    import shutil
+
+    copied = []
+    for name in PROCESSOR_FILES + tuple(n for n in os.listdir(model_path) if n.startswith("chat_template")):
+        if os.path.isfile(os.path.join(model_path, name)):
+            shutil.copy(os.path.join(model_path, name), os.path.join(out_dir, name))
+            copied.append(name)
+    return copied

@@ -1,0 +1,67 @@
+"""``train.py --data`` with multimodal records on a vision-language model: 2 gloo SP ranks against the plain HF
+model in one process (docs/multimodal_data.md, "With train.py")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForImageTextToText
+
+from ds_seqpar.cli.vlm import (
+    PackedVlmDataset,
+    collate_vlm,
+    family_of,
+    hf_inputs,
+    load_processor,
+    position_function,
+    read_vlm_data,
+)
+from tests.helpers.cli_runs import run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = str(ROOT / "assets" / "tiny-qwen2-vl")
+DATA = str(ROOT / "assets" / "vlm_data" / "train.jsonl")
+
+
+def _reference() -> dict[str, float]:
+    """The plain model (seed 0) in one process: the loss of row 0 (the training row) and the loss and
+    next-token accuracy of row 1 (the held-out row)."""
+    config = AutoConfig.from_pretrained(MODEL)
+    records = read_vlm_data(DATA, MODEL, config, 256)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    rows = PackedVlmDataset(
+        records, 256, position_function(family_of(config), model), config.text_config.pad_token_id
+    )
+    assert len(rows) == 2
+    with torch.no_grad():
+        train = model(**hf_inputs(collate_vlm([rows[0]]))).loss.item()
+        batch = collate_vlm([rows[1]])
+        out = model(**hf_inputs(batch))
+    targets = batch["labels"][:, 1:]
+    keep = targets != -100
+    correct = (out.logits[:, :-1].argmax(-1) == targets)[keep].float().mean().item()
+    return {"train": train, "eval_loss": out.loss.item(), "eval_accuracy": correct}
+
+
+def test_train_py_vlm_equals_one_process_and_exports(dist_pool, tmp_path):
+    """2 SP ranks (ZeRO-3): the first training loss and the step-0 evaluation (loss and accuracy of the held-out
+    row) equal the plain model's in one process; the export holds the processor and loads with HF."""
+    out = tmp_path / "vlm"
+    argv = ["--sp-size", "2", "--model", MODEL, "--random-init", "--data", DATA, "--seq-len", "256",
+            "--max-steps", "2", "--eval-every", "0", "--lr", "1e-3", "--no-progress", "--output-dir", str(out)]  # fmt: skip
+    rows = dist_pool(2).run(run_cli, argv)[0]
+    ref = _reference()
+    first = next(r for r in rows if "eval_loss" in r and r["step"] == 0)
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 2 and losses[1] < losses[0], losses
+    assert abs(losses[0] - ref["train"]) <= 1e-5 * ref["train"], (losses, ref)
+    assert abs(first["eval_loss"] - ref["eval_loss"]) <= 1e-5 * ref["eval_loss"], (first, ref)
+    assert abs(first["eval_accuracy"] - ref["eval_accuracy"]) <= 1e-6, (first, ref)
+    export = out / "hf_model"
+    assert (export / "preprocessor_config.json").exists() and (export / "processor_config.json").exists()
+    processor, _ = load_processor(str(export))
+    assert processor.image_processor.size == load_processor(MODEL)[0].image_processor.size
+    model = AutoModelForImageTextToText.from_pretrained(export, dtype=torch.float32)
+    assert type(model).__name__ == "Qwen2VLForConditionalGeneration"
