@@ -4,8 +4,8 @@
     .venv/bin/python examples/vlm.py --single
 
 The data is ``assets/vlm_data/train.jsonl`` (records with images, docs/multimodal_data.md), read by the
-model's own processor into rows of ``--seq-len`` tokens, one record per row (``--pack``: several per row, with
-document ids and each record's own mRoPE positions; ``ds_seqpar.cli.vlm``). Every rank gets the same full
+model's own processor and packed into rows of ``--seq-len`` tokens with document ids and each record's own mRoPE
+positions (``ds_seqpar.cli.vlm``; ``--one-per-row``: one record per row). Every rank gets the same full
 row; ``vlm_dataloader`` (``shard_vlm_batch``) keeps this rank's tokens (``ds_seqpar.shard_batch``) and passes
 the vision inputs whole; ``ds_seqpar.SeqParVisionLM`` returns the SP group's token-mean loss. After backward each rank holds
 its share of every gradient, summed over the SP group here (the semantics of ``SeqParCausalLM`` with
@@ -51,7 +51,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--single", action="store_true", help="one process, the plain HF model (the reference)")
     p.add_argument(
-        "--pack", action="store_true", help="pack several records per row (default: one record per row)"
+        "--one-per-row", action="store_true", help="one record per row (default: records packed into rows)"
     )
     return p.parse_args(argv)
 
@@ -68,7 +68,7 @@ def load(args: argparse.Namespace) -> tuple[torch.nn.Module, PackedVlmDataset]:
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     pad = config.text_config.pad_token_id or 0
     positions = position_function(family_of(config), model)
-    return model, PackedVlmDataset(records, args.seq_len, positions, pad, pack=args.pack)
+    return model, PackedVlmDataset(records, args.seq_len, positions, pad, pack=not args.one_per_row)
 
 
 def train(args: argparse.Namespace, sp: bool = True) -> tuple[list[float], int]:
