@@ -41,6 +41,16 @@ def test_vlm_loss_and_every_gradient_equal_the_plain_model(dist_pool, kind):
 
 
 @pytest.mark.parametrize("kind", VLM_KINDS)
+def test_two_rows_of_several_images_with_padding(dist_pool, kind):
+    """B = 2: one row with an image and a video, one with three images, padded on the right; stripes of U2 x R2."""
+    middle = "video" if kind in VIDEO_KINDS else "image"
+    spec = [[5, "image", 7, middle, 3], [2, "image", 3, "image", 1, "image", 2]]
+    for rep in dist_pool(4).run(vlm_sp_vs_reference, kind, 2, "stripe", spec):
+        assert rep["split_runs"] >= 1, rep
+        assert rep["loss_err"] <= 1e-5 and max(rep["grad"].values()) <= 1e-5, rep
+
+
+@pytest.mark.parametrize("kind", VLM_KINDS)
 def test_packed_multimodal_documents_equal_each_document_alone(dist_pool, kind):
     for rep in dist_pool(4).run(vlm_sp_vs_reference, kind, 2, "zigzag", packed_spec(kind), True):
         assert rep["loss_err"] <= 1e-5, rep

@@ -15,7 +15,7 @@ from tests.helpers.hf_ab import ab_ds_config, rel_err, sp_mesh
 from tests.helpers.hf_models import tiny_model
 from tests.helpers.vlm_models import tiny_vlm, token_ids, vlm_batch
 
-TEXT_KEYS = ("input_ids", "labels", "position_ids")
+TEXT_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
 TOKEN_KEYS = ("mm_token_type_ids",)  # per-token vision inputs: packed along the row
 
 
