@@ -94,6 +94,7 @@ def shard_batch(
     pad_token_id: int = 0,
     layout: UspLayout | None = None,
     objective: str = "causal",
+    whole: Sequence[str] = (),
 ) -> dict[str, Any]:
     """This rank's shard of a full batch (see the module docstring).
 
@@ -106,7 +107,11 @@ def shard_batch(
         layout: defaults to ``input_layout(mesh)``.
         objective: ``"causal"`` (pre-shifted ``shift_labels``) or ``"masked"`` (unshifted ``labels``,
             padding always masked out of the attention through ``doc_ids``).
+        whole: batch keys passed on unchanged, the same on every rank (a VLM's vision inputs:
+            ``SeqParVisionLM.whole_inputs``).
     """
+    passed = {k: batch[k] for k in whole if k in batch}
+    batch = {k: v for k, v in batch.items() if k not in passed}
     masked = check_objective(objective) == "masked"
     ids, labels, positions, attn = _checked_inputs(batch, masked)
     b, s0 = ids.shape
@@ -136,6 +141,7 @@ def shard_batch(
         "position_ids": layout.shard(_continue_positions(positions, seq_len), rank),
         "doc_ids": doc_ids,
         "seq_len": seq_len,
+        **passed,
     }
 
 
@@ -243,15 +249,19 @@ class SeqParCollator:
         base: Callable[[Sequence[Any]], dict[str, Any]] | None = None,
         pad_token_id: int = 0,
         objective: str = "causal",
+        whole: Sequence[str] = (),
     ) -> None:
         self.mesh = mesh
         self.base = base or _stack
         self.pad_token_id = pad_token_id
         self.objective = check_objective(objective)
+        self.whole = tuple(whole)
 
     def __call__(self, examples: Sequence[Any]) -> dict[str, Any]:
         batch = dict(self.base(examples))
-        return shard_batch(batch, self.mesh, pad_token_id=self.pad_token_id, objective=self.objective)
+        return shard_batch(
+            batch, self.mesh, pad_token_id=self.pad_token_id, objective=self.objective, whole=self.whole
+        )
 
 
 def seqpar_dataloader(
@@ -265,13 +275,14 @@ def seqpar_dataloader(
     pad_token_id: int = 0,
     drop_last: bool = True,
     objective: str = "causal",
+    whole: Sequence[str] = (),
     **loader_kwargs: Any,
 ) -> DataLoader:
     """A DataLoader over ``dataset`` for this rank: dp-sharded sampling, SP-sharded sequences.
 
     The sampler splits samples over the ``mesh.dp_size`` data-parallel replicas (rank =
     ``mesh.coords.dp_rank``), so all SP ranks of one group read the same samples; each batch is
-    then sharded along the sequence by ``SeqParCollator``. Call ``loader.sampler.set_epoch(e)``
+    then sharded along the sequence by ``SeqParCollator`` (``whole``: keys passed on unsharded). Call ``loader.sampler.set_epoch(e)``
     each epoch when shuffling. ``loader_kwargs`` (``num_workers``, ``pin_memory``, ...) go to the DataLoader.
     """
     sampler = DistributedSampler(
@@ -286,7 +297,7 @@ def seqpar_dataloader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
-        collate_fn=SeqParCollator(mesh, collate_fn, pad_token_id, objective),
+        collate_fn=SeqParCollator(mesh, collate_fn, pad_token_id, objective, whole),
         drop_last=drop_last,
         **loader_kwargs,
     )

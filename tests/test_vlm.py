@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 
 from ds_seqpar.integrations.vision.split_tower import assign_units
-from tests.helpers.vlm_ab import tower_split_vs_whole, vlm_sp_vs_reference, vlm_zero3_vs_reference
+from tests.helpers.vlm_ab import (
+    tower_split_vs_whole,
+    vlm_refusals,
+    vlm_sp_vs_reference,
+    vlm_zero3_vs_reference,
+)
 from tests.helpers.vlm_models import VIDEO_KINDS, VLM_KINDS
 
 
@@ -33,6 +38,16 @@ def test_vlm_loss_and_every_gradient_equal_the_plain_model(dist_pool, kind):
             assert rep["vision_grads"] > 0, rep
             assert rep["loss_err"] <= 1e-5, (u, layout, rep)
             assert max(rep["grad"].values()) <= 1e-5, (u, layout, rep)
+
+
+@pytest.mark.parametrize("kind", VLM_KINDS)
+def test_two_rows_of_several_images_with_padding(dist_pool, kind):
+    """B = 2: one row with an image and a video, one with three images, padded on the right; stripes of U2 x R2."""
+    middle = "video" if kind in VIDEO_KINDS else "image"
+    spec = [[5, "image", 7, middle, 3], [2, "image", 3, "image", 1, "image", 2]]
+    for rep in dist_pool(4).run(vlm_sp_vs_reference, kind, 2, "stripe", spec):
+        assert rep["split_runs"] >= 1, rep
+        assert rep["loss_err"] <= 1e-5 and max(rep["grad"].values()) <= 1e-5, rep
 
 
 @pytest.mark.parametrize("kind", VLM_KINDS)
@@ -79,3 +94,13 @@ def test_assign_units_balances_whole_units():
     assert max(load) <= sum(costs) / 4 + max(costs)
     assert owners[3] == 0 and sorted(set(owners)) == [0, 1, 2, 3]
     assert assign_units([5], 4) == [0]
+
+
+def test_refusals_name_what_they_cannot_honour(dist_pool):
+    rep = dist_pool(4).run(vlm_refusals)[0]
+    assert "token_type_ids" in rep["token_type_ids"] and "bidirectional" in rep["token_type_ids"], rep
+    assert "pixel_mask" in rep["unknown"], rep
+    assert "cross_attention_states" in rep["language_keyword"], rep
+    assert "language_model" in rep["text_model"], rep
+    assert "grid_thw" in rep["grid"] and "16 patches" in rep["grid"], rep
+    assert "mask" in rep["tower_tensor"], rep

@@ -127,6 +127,14 @@ def accelerate_prepare(
         engine,
         optimizer,
         sharding_loader(
-            train_dataset, mesh, ds_config, collate_fn, shuffle, seed, pad_token_id, wrapped.objective
+            train_dataset,
+            mesh,
+            ds_config,
+            collate_fn,
+            shuffle,
+            seed,
+            pad_token_id,
+            wrapped.objective,
+            wrapped.whole_inputs,
         ),
     )

@@ -107,6 +107,7 @@ class SeqParCausalLM(torch.nn.Module):
 
     objective = "causal"  # SeqParMaskedLM: "masked"
     encoder_states = False  # SeqParSeq2SeqLM: the decoder attends to encoder states
+    whole_inputs: tuple[str, ...] = ()  # batch keys shard_batch passes on unsharded (SeqParVisionLM: vision)
 
     def __init__(
         self, model: torch.nn.Module, mesh: SeqParMesh, grad_scale: float = 1.0, loss_chunk_size: int = 1024

@@ -158,7 +158,15 @@ def initialize(
         **deepspeed_kwargs,
     )
     loader = sharding_loader(
-        training_data, mesh, ds_config, collate_fn, shuffle, seed, pad_token_id, wrapped.objective
+        training_data,
+        mesh,
+        ds_config,
+        collate_fn,
+        shuffle,
+        seed,
+        pad_token_id,
+        wrapped.objective,
+        wrapped.whole_inputs,
     )
     engine.seqpar_mesh = mesh
     return engine, opt, loader, sched
@@ -195,8 +203,10 @@ def sharding_loader(
     seed: int,
     pad_token_id: int,
     objective: str = "causal",
+    whole: tuple[str, ...] = (),
 ) -> Any:
-    """The sharding DataLoader over ``dataset`` at the config's micro batch (None without a dataset)."""
+    """The sharding DataLoader over ``dataset`` at the config's micro batch (None without a dataset); ``whole``:
+    the batch keys passed on unsharded (the wrapper's ``whole_inputs``)."""
     if dataset is None:
         return None
     micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
@@ -209,6 +219,7 @@ def sharding_loader(
         seed=seed,
         pad_token_id=pad_token_id,
         objective=objective,
+        whole=whole,
     )
 
 

@@ -57,6 +57,7 @@ from ds_seqpar.errors import SeqParConfigError
 from ds_seqpar.integrations.deepspeed import init_distributed, sequence_parallel_scope, wrap_for_training
 from ds_seqpar.integrations.parallelism_config import TrainerSizes, trainer_parallelism
 from ds_seqpar.integrations.trainer_eval import SeqParEvaluationMixin, refuse_unhonoured_evaluation
+from ds_seqpar.integrations.vision import whole_inputs_of
 from ds_seqpar.mesh import SeqParMesh
 
 # DeepSpeed keys that TrainingArguments also sets (transformers' HfTrainerDeepSpeedConfig checks them).
@@ -385,6 +386,7 @@ class SeqParTrainerMixin(TrainerSizes, SeqParEvaluationMixin):
             pad_token_id=self.seqpar_pad_token_id,
             drop_last=args.dataloader_drop_last,
             objective=self.seqpar_objective,
+            whole=whole_inputs_of(self.model),
             **workers,
         )
 

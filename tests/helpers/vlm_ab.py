@@ -12,9 +12,10 @@ import ds_seqpar
 from ds_seqpar import SeqParVisionLM, shard_batch
 from ds_seqpar.settings import input_layout
 from tests.helpers.hf_ab import ab_ds_config, rel_err, sp_mesh
+from tests.helpers.hf_models import tiny_model
 from tests.helpers.vlm_models import tiny_vlm, token_ids, vlm_batch
 
-TEXT_KEYS = ("input_ids", "labels", "position_ids")
+TEXT_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
 TOKEN_KEYS = ("mm_token_type_ids",)  # per-token vision inputs: packed along the row
 
 
@@ -146,8 +147,7 @@ def vlm_zero3_vs_reference(kind: str, spec: list[list], steps: int = 2, lr: floa
         ref_opt.zero_grad()
         ref_loss = ref(**batch).loss
         ref_loss.backward()
-        vision = {k: v for k, v in batch.items() if k not in TEXT_KEYS}
-        loss = engine(**shard_batch({k: v for k, v in batch.items() if k in TEXT_KEYS}, mesh), **vision)
+        loss = engine(**shard_batch(batch, mesh, whole=engine.module.whole_inputs))
         engine.backward(loss)
         if step == 0:
             for name, p, p_ref in zip(names, engine.module.model.parameters(), ref.parameters(), strict=True):
@@ -198,3 +198,48 @@ def tower_split_vs_whole(kind: str, frames: int) -> dict:
     err = max((out[k] - whole[k]).abs().max().item() for k in (field,))
     units = rule.split(dict(inputs)).costs if rule else ()
     return {"out_err": err, "dx_err": (dx - dx_whole).abs().max().item(), "split": split, "units": len(units)}
+
+
+def _message(fn) -> str:
+    try:
+        fn()
+    except (ValueError, TypeError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def vlm_refusals() -> dict[str, str]:
+    """The errors of inputs and models SeqParVisionLM refuses (every rank raises the same, no collective hangs)."""
+    from ds_seqpar.integrations.vision.language import TokenShard, _local_inputs
+    from ds_seqpar.integrations.vision.towers import TOWER_RULES
+
+    mesh = sp_mesh(2, "zigzag")
+    model = tiny_vlm("gemma3")
+    sp = SeqParVisionLM(copy.deepcopy(model), mesh)
+    batch = vlm_batch(model, "gemma3", [[5, "image", 9]])
+    shard = shard_batch({k: batch[k] for k in ("input_ids", "labels")}, mesh)
+    blocks = (batch["input_ids"] == 150).long()
+    layout = input_layout(mesh)
+    frames = TOWER_RULES["frames"].split
+    return {
+        "token_type_ids": _message(
+            lambda: sp(**shard, pixel_values=batch["pixel_values"], token_type_ids=blocks)
+        ),
+        "unknown": _message(lambda: sp(**shard, pixel_values=batch["pixel_values"], pixel_mask=blocks)),
+        "language_keyword": _message(
+            lambda: _local_inputs({"cross_attention_states": blocks}, TokenShard(layout, 0, 16, True))
+        ),
+        "text_model": _message(lambda: SeqParVisionLM(tiny_model("llama"), mesh)),
+        "grid": _message(
+            lambda: frames({"hidden_states": torch.zeros(10, 24), "grid_thw": torch.tensor([[1, 4, 4]])})
+        ),
+        "tower_tensor": _message(
+            lambda: frames(
+                {
+                    "hidden_states": torch.zeros(16, 24),
+                    "grid_thw": torch.tensor([[1, 4, 4]]),
+                    "mask": torch.ones(16),
+                }
+            )
+        ),
+    }

@@ -3,7 +3,8 @@ cut them (shared by tests/test_vlm.py and benchmarks/model_sweep.py's multimodal
 
 ``tiny_vlm(kind)`` builds the model (seeded, eval mode); ``vlm_batch(model, kind, spec, seed)`` builds one
 batch ``{"input_ids", "labels", **vision inputs}``: ``spec`` is a list of rows, each a list of pieces:
-``int`` = that many text tokens, ``"image"`` = one image, ``"video"`` = one video. Placeholder counts come from
+``int`` = that many text tokens, ``"image"`` = one image, ``"video"`` = one video; shorter rows are padded on
+the right (``attention_mask`` 0, labels -100). Placeholder counts come from
 the model's own feature functions (``get_image_features`` / ``get_video_features``), so any family whose
 features are computed per image works. Labels are -100 at every vision token.
 """
@@ -168,7 +169,9 @@ def _video_inputs(kind: str, n: int, g: torch.Generator) -> dict[str, torch.Tens
     return {"pixel_values_videos": torch.randn(n, 4, 3, 8, 8, generator=g)}
 
 
-def _feature_counts(model: torch.nn.Module, kind: str, inputs: dict, video: bool) -> list[int]:
+def _feature_counts(
+    model: torch.nn.Module, kind: str, inputs: dict, video: bool, per_row: torch.Tensor | None = None
+) -> list[int]:
     """Placeholder tokens of every image / video, from the model's own feature function."""
     base = model.model
     with torch.no_grad():
@@ -177,8 +180,8 @@ def _feature_counts(model: torch.nn.Module, kind: str, inputs: dict, video: bool
             out = base.get_video_features(**args)
         else:
             args = {k: v for k, v in inputs.items() if "video" not in k}
-            if kind == "llava_onevision":
-                args["batch_num_images"] = torch.tensor([len(args["pixel_values"])])
+            if kind == "llava_onevision":  # images per row: a row of one image is tiled (anyres), others not
+                args["batch_num_images"] = per_row
             out = base.get_image_features(**args)
     feats = out.pooler_output if hasattr(out, "pooler_output") else out
     if isinstance(feats, torch.Tensor) and feats.dim() == 3:
@@ -196,7 +199,8 @@ def vlm_batch(model: torch.nn.Module, kind: str, spec: list[list], seed: int = 0
         vision |= _image_inputs(kind, n_img, g)
     if n_vid:
         vision |= _video_inputs(kind, n_vid, g)
-    img_counts = iter(_feature_counts(model, kind, vision, False) if n_img else [])
+    per_row = torch.tensor([sum(p == "image" for p in row) for row in spec])
+    img_counts = iter(_feature_counts(model, kind, vision, False, per_row) if n_img else [])
     vid_counts = iter(_feature_counts(model, kind, vision, True) if n_vid else [])
     image, video, start, end = token_ids(model)
     rows, types = [], []
@@ -223,14 +227,16 @@ def vlm_batch(model: torch.nn.Module, kind: str, spec: list[list], seed: int = 0
         rows.append(ids)
         types.append(mm)
     width = max(len(r) for r in rows)
-    if any(len(r) != width for r in rows):
-        raise ValueError(f"rows of unequal length {[len(r) for r in rows]}: pad the spec with text")
-    ids = torch.tensor(rows)
-    batch = {"input_ids": ids, "labels": ids.masked_fill(torch.tensor(types) > 0, -100)}
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])  # right padding, attention_mask 0
+    types = [t + [0] * (width - len(t)) for t in types]
+    batch = {"input_ids": ids, "labels": ids.masked_fill((torch.tensor(types) > 0) | (mask == 0), -100)}
+    if not bool(mask.all()):
+        batch["attention_mask"] = mask
     if start is not None:
         batch["labels"] = batch["labels"].masked_fill((ids == start) | (ids == end), -100)
     if kind.startswith("qwen"):
         batch["mm_token_type_ids"] = torch.tensor(types)
     if kind == "llava_onevision" and n_img:
-        vision["batch_num_images"] = torch.tensor([sum(p == "image" for p in row) for row in spec])
+        vision["batch_num_images"] = per_row
     return batch | vision

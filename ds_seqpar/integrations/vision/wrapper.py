@@ -28,7 +28,7 @@ from ds_seqpar.integrations.vision.positions import packed_rope_positions
 from ds_seqpar.integrations.vision.split_tower import split_towers, vision_towers
 from ds_seqpar.settings import input_layout
 
-__all__ = ["SeqParVisionLM", "is_vision_lm"]
+__all__ = ["SeqParVisionLM", "is_vision_lm", "whole_inputs_of"]
 
 
 def is_vision_lm(model: torch.nn.Module) -> bool:
@@ -49,6 +49,20 @@ TOKEN_INPUTS = ("mm_token_type_ids",)
 MASK_INPUTS = ("token_type_ids",)
 
 
+def _vision_keywords(base: torch.nn.Module) -> tuple[str, ...]:
+    """The keywords of a VLM base model's forward that carry its vision inputs (all but ``OWN_KEYWORDS``)."""
+    params = inspect.signature(type(base).forward).parameters
+    return tuple(sorted(k for k in params if k not in OWN_KEYWORDS))
+
+
+def whole_inputs_of(model: torch.nn.Module) -> tuple[str, ...]:
+    """The batch keys that go to ``model`` unsharded: a wrapper's ``whole_inputs``, a VLM's vision keywords, or
+    none (a text model)."""
+    if isinstance(model, SeqParCausalLM):
+        return model.whole_inputs
+    return _vision_keywords(unwrap_hf_model(model).model) if is_vision_lm(model) else ()
+
+
 class SeqParVisionLM(SeqParCausalLM):
     """A HuggingFace vision-language model (``*ForConditionalGeneration`` whose base model has a
     ``language_model``) under sequence parallelism: ``forward(**shard_batch(batch, mesh), **vision_inputs)``
@@ -67,13 +81,12 @@ class SeqParVisionLM(SeqParCausalLM):
                 f"({type(self._parts.decoder).__name__}); ds_seqpar runs VLMs built as model.language_model "
                 "+ model.<vision tower>; train its text path with ds_seqpar.SeqParCausalLM"
             )
-        params = inspect.signature(type(base).forward).parameters
-        self.vision_keywords = tuple(sorted(k for k in params if k not in OWN_KEYWORDS))
+        self.whole_inputs = _vision_keywords(base)
         self._base = base
 
     def _vision_inputs(self, extra: dict[str, Any]) -> dict[str, Any]:
         """Pop the vision inputs out of ``extra``; any other non-None keyword is left for ``_refuse_masks``."""
-        vision = {k: extra.pop(k) for k in list(extra) if k in self.vision_keywords and extra[k] is not None}
+        vision = {k: extra.pop(k) for k in list(extra) if k in self.whole_inputs and extra[k] is not None}
         for key in MASK_INPUTS:
             value = vision.get(key)
             if value is not None and bool((torch.as_tensor(value) != 0).any()):
