@@ -65,3 +65,22 @@ def test_train_py_vlm_equals_one_process_and_exports(dist_pool, tmp_path):
     assert processor.image_processor.size == load_processor(MODEL)[0].image_processor.size
     model = AutoModelForImageTextToText.from_pretrained(export, dtype=torch.float32)
     assert type(model).__name__ == "Qwen2VLForConditionalGeneration"
+
+
+def _refusal(argv: list[str]) -> str:
+    from ds_seqpar.cli import main
+
+    try:
+        main(argv)
+    except Exception as exc:  # the same config error on every rank
+        return f"{type(exc).__name__}: {exc}"
+    return "trained"
+
+
+def test_train_py_vlm_refuses_fewer_rows_than_a_step_reads(dist_pool, tmp_path):
+    """dp 2 x SP 1 needs 2 training rows per step; the shipped data packs into 1 (and 1 held out)."""
+    argv = ["--sp-size", "1", "--model", MODEL, "--random-init", "--data", DATA, "--seq-len", "256",
+            "--max-steps", "1", "--no-progress", "--output-dir", str(tmp_path / "dp")]  # fmt: skip
+    for message in dist_pool(2).run(_refusal, argv):
+        assert "SeqParConfigError" in message and "1 training rows of 256 tokens" in message, message
+        assert "fewer than the 2 rows one step reads" in message, message

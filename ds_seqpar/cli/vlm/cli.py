@@ -55,11 +55,19 @@ def vlm_datasets(args: argparse.Namespace, model: Any, pad_token_id: int) -> tup
     ``min(--eval-samples, rows // 10)``, at least 1, as for text)."""
     family = family_of(model.config)
     positions = position_function(family, model)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    per_step = world // args.settings.size * int(args.ds_config_dict.get("train_micro_batch_size_per_gpu", 1))
     train, held = [], None
     for seq_len, _ in args.phases:
         data = PackedVlmDataset(args.vlm_records, seq_len, positions, pad_token_id)
         n_eval = min(args.eval_samples, max(1, len(data) // 10))
         keep = range(len(data) - n_eval) if len(data) > n_eval else range(len(data))
+        if len(keep) < per_step:  # the same on every rank, before any collective
+            raise SeqParConfigError(
+                f"--data {args.data}: {len(keep)} training rows of {seq_len} tokens (after {n_eval} held out), fewer "
+                f"than the {per_step} rows one step reads (dp x micro batch); fix: more records, a shorter "
+                "--seq-len, or a larger --sp-size"
+            )
         train.append(torch.utils.data.Subset(data, keep))
         if seq_len == args.seq_len:
             held = torch.utils.data.Subset(data, range(len(data) - n_eval, len(data)))
