@@ -119,7 +119,8 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data",
         default=None,
-        help="training text: .jsonl, .txt or a datasets save_to_disk directory (default: passkey task)",
+        help="training text: .jsonl, .txt or a datasets save_to_disk directory (default: passkey task); for a "
+        "vision-language model, a .jsonl of records with images / videos (docs/multimodal_data.md)",
     )
     p.add_argument("--text-field", default="text", help="field holding the text in --data records")
     add_eval_data_flag(p)
