@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -84,3 +85,22 @@ def test_train_py_vlm_refuses_fewer_rows_than_a_step_reads(dist_pool, tmp_path):
     for message in dist_pool(2).run(_refusal, argv):
         assert "SeqParConfigError" in message and "1 training rows of 256 tokens" in message, message
         assert "fewer than the 2 rows one step reads" in message, message
+
+
+@pytest.mark.slow
+def test_train_py_vlm_curriculum_and_resume(dist_pool, tmp_path):
+    """--curriculum 128:2 (the records packed again at 128 tokens) then 256; --resume from the step-2 checkpoint
+    gives the uninterrupted run's losses at steps 3 and 4 exactly."""
+    import shutil
+
+    out = tmp_path / "cur"
+    argv = ["--sp-size", "2", "--model", MODEL, "--random-init", "--data", DATA, "--seq-len", "256",
+            "--curriculum", "128:2", "--max-steps", "4", "--eval-every", "0", "--no-export", "--save-every", "2",
+            "--no-progress", "--output-dir", str(out)]  # fmt: skip
+    pool = dist_pool(2)
+    rows = pool.run(run_cli, argv)[0]
+    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert [r["seq_len"] for r in rows if "loss" in r] == [128, 128, 256, 256]
+    shutil.rmtree(out / "checkpoints" / "step4")
+    again = {r["step"]: r["loss"] for r in pool.run(run_cli, [*argv, "--resume"])[0] if "loss" in r}
+    assert again[3] == losses[3] and again[4] == losses[4], (again, losses)
