@@ -200,3 +200,44 @@ def test_train_py_refuses_in_parse_args(argv, message):
     with pytest.raises(SeqParConfigError) as info:
         parse_args(argv)
     assert message in str(info.value), str(info.value)
+
+
+def test_refusals_of_unreadable_images_and_unpacked_processor_outputs(config, tmp_path):
+    from ds_seqpar.cli.vlm import FAMILIES, VlmEncoder, VlmRecord, load_processor
+
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "bad.png").write_text("not a png")
+    path = _write(tmp_path, {"text": "<image> a .", "images": ["img/bad.png"]})
+    with pytest.raises(
+        SeqParConfigError, match=r"data.jsonl:1: field 'images': 'img/bad.png' is not an image"
+    ):
+        read_vlm_data(path, MODEL, config, 256)
+    processor, _ = load_processor(MODEL)
+
+    class Extra:  # the processor's outputs and one the reader does not know how to pack
+        tokenizer = processor.tokenizer
+
+        def __call__(self, **kwargs):
+            return {**processor(**kwargs), "second_per_grid_ts": torch.ones(1)}
+
+    encoder = VlmEncoder(Extra(), FAMILIES["qwen2_vl"], config)
+    with pytest.raises(
+        SeqParConfigError, match=r"x.jsonl:3: the processor returned \['second_per_grid_ts'\]"
+    ):
+        encoder.encode(VlmRecord("x.jsonl:3", "", "a red square .", (), ()))
+
+    class Merging:  # a tokenizer that merges the prompt's last token with the text's first
+        tokenizer = processor.tokenizer
+
+        def __call__(self, text, **kwargs):
+            out = processor(text=text, **kwargs)
+            if text[0].endswith("square ."):
+                out["input_ids"] = out["input_ids"].clone()
+                out["input_ids"][0, 1] = 5
+            return out
+
+    encoder = VlmEncoder(Merging(), FAMILIES["qwen2_vl"], config)
+    with pytest.raises(
+        SeqParConfigError, match=r"x.jsonl:4: the tokens of the prompt alone are not the first"
+    ):
+        encoder.encode(VlmRecord("x.jsonl:4", "what is ", "a red square .", (), ()))
