@@ -241,3 +241,49 @@ def test_refusals_of_unreadable_images_and_unpacked_processor_outputs(config, tm
         SeqParConfigError, match=r"x.jsonl:4: the tokens of the prompt alone are not the first"
     ):
         encoder.encode(VlmRecord("x.jsonl:4", "what is ", "a red square .", (), ()))
+
+
+def _tiny_qwen2_5_vl(folder: Path) -> str:
+    """The shipped tiny Qwen2-VL's tokenizer and image processor with a Qwen2.5-VL config and processor class."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
+        shutil.copy(Path(MODEL) / name, folder / name)
+    config = json.loads((Path(MODEL) / "config.json").read_text())
+    config.update(model_type="qwen2_5_vl", architectures=["Qwen2_5_VLForConditionalGeneration"])
+    config["text_config"]["model_type"] = "qwen2_5_vl_text"
+    config["vision_config"] = {
+        "model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+        "out_hidden_size": 64, "window_size": 56, "fullatt_block_indexes": [1], "patch_size": 14,
+        "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}))
+    return str(folder)
+
+
+def test_qwen2_5_vl_images_pack_like_each_record_alone_and_videos_are_refused(tmp_path):
+    """A second family through the same reader (one FAMILIES entry): its own processor class and rope index;
+    the packed rows through the plain HF forward give each record's own loss; its videos are refused by name."""
+    path = _tiny_qwen2_5_vl(tmp_path)
+    config = AutoConfig.from_pretrained(path)
+    records = read_vlm_data(str(DATA / "train.jsonl"), path, config, 256)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    data = PackedVlmDataset(records, 256, position_function(family_of(config), model))
+    row, start = data[0], 0
+    for i in data.rows[0]:
+        rec = records[i]
+        grids = {k: v for k, v in rec.vision.items() if k.endswith("grid_thw")}
+        own, _ = model.model.get_rope_index(
+            rec.input_ids[None], mm_token_type_ids=rec.mm_token_type_ids[None], **grids
+        )
+        assert torch.equal(row["position_ids"][:, start : start + len(rec)], own[:, 0])
+        start += len(rec)
+    with torch.no_grad():
+        packed = model(**hf_inputs(collate_vlm([data[0], data[1]]))).loss
+        alone = reference_loss(model, records)
+    assert abs(packed.item() - alone.item()) <= 1e-5 * abs(alone.item()), (packed.item(), alone.item())
+    with pytest.raises(
+        SeqParConfigError, match=r"videos.jsonl:1: a record with videos; model_type 'qwen2_5_vl'"
+    ):
+        read_vlm_data(str(DATA / "videos.jsonl"), path, config, 256)

@@ -62,6 +62,11 @@ class VlmEncoder:
         return EncodedRecord(record.where, ids, labels, mm, vision)
 
     def _check(self, record: VlmRecord) -> None:
+        if record.videos and not self.family.videos:
+            raise SeqParConfigError(
+                f"{record.where}: a record with videos; model_type {self.family.model_type!r} is read for images "
+                f"only ({self.family.no_videos}); fix: drop the videos, or train a family that reads them"
+            )
         if record.videos and not self.videos_supported:
             raise SeqParConfigError(
                 f"{record.where}: a record with videos, but transformers' video processor needs torchvision, "

@@ -9,7 +9,7 @@ model's own rope-index function, or a restarting arange). Families without an en
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ds_seqpar.errors import SeqParConfigError
@@ -24,7 +24,8 @@ class VlmFamily:
     ``masked_ids``: config attributes of token ids that get label -100; ``vision_keys``: processor outputs
     concatenated over the records of a row along dim 0; ``reserved``: the family's token strings a record
     may not write itself (it writes ``<image>`` / ``<video>``); ``rope_index``: the model -> its
-    ``get_rope_index`` (mRoPE families, positions ``[3, 1, L]`` per record) or None (``arange(L)``)."""
+    ``get_rope_index`` (mRoPE families, positions ``[3, 1, L]`` per record) or None (``arange(L)``);
+    ``videos``: whether records with videos are read (False: refused by name, with ``no_videos`` the reason)."""
 
     model_type: str
     image_text: str
@@ -33,6 +34,8 @@ class VlmFamily:
     vision_keys: tuple[str, ...]
     reserved: tuple[str, ...]
     rope_index: Callable[[Any], Callable[..., Any]] | None
+    videos: bool = True
+    no_videos: str = ""
 
 
 def _qwen2_vl_rope_index(model: Any) -> Callable[..., Any]:
@@ -41,16 +44,26 @@ def _qwen2_vl_rope_index(model: Any) -> Callable[..., Any]:
     return inner.get_rope_index
 
 
+QWEN2_VL = VlmFamily(
+    model_type="qwen2_vl",
+    image_text="<|vision_start|><|image_pad|><|vision_end|>",
+    video_text="<|vision_start|><|video_pad|><|vision_end|>",
+    masked_ids=("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"),
+    vision_keys=("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"),
+    reserved=("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"),
+    rope_index=_qwen2_vl_rope_index,
+)
 FAMILIES: dict[str, VlmFamily] = {
-    "qwen2_vl": VlmFamily(
-        model_type="qwen2_vl",
-        image_text="<|vision_start|><|image_pad|><|vision_end|>",
-        video_text="<|vision_start|><|video_pad|><|vision_end|>",
-        masked_ids=("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"),
-        vision_keys=("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"),
-        reserved=("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"),
-        rope_index=_qwen2_vl_rope_index,
-    )
+    "qwen2_vl": QWEN2_VL,
+    # Qwen2.5-VL: Qwen2-VL's tokens and images; its videos' temporal positions need second_per_grid_ts, which
+    # the processor derives from the video's fps, which a list of frame files does not carry
+    "qwen2_5_vl": replace(
+        QWEN2_VL,
+        model_type="qwen2_5_vl",
+        videos=False,
+        no_videos="its mRoPE spaces a video's frames by second_per_grid_ts, from the video's fps, which a list "
+        "of frame files does not carry",
+    ),
 }
 
 
