@@ -11,6 +11,7 @@ from tests.helpers.vlm_ab import (
     tower_split_vs_whole,
     vlm_refusals,
     vlm_sp_vs_reference,
+    vlm_variant_vs_reference,
     vlm_zero3_vs_reference,
 )
 from tests.helpers.vlm_models import VIDEO_KINDS, VLM_KINDS
@@ -104,3 +105,11 @@ def test_refusals_name_what_they_cannot_honour(dist_pool):
     assert "language_model" in rep["text_model"], rep
     assert "grid_thw" in rep["grid"] and "16 patches" in rep["grid"], rep
     assert "mask" in rep["tower_tensor"], rep
+
+
+@pytest.mark.parametrize("mode", ["gc", "lora", "memory"])
+def test_checkpointing_lora_and_memory_savings_stay_exact(dist_pool, mode):
+    """HF gradient checkpointing (the tower's layers recomputed in backward), PEFT LoRA, and ds_seqpar's layer
+    checkpointing that re-runs the exchanges."""
+    for worst in dist_pool(4).run(vlm_variant_vs_reference, "qwen2_vl", mode):
+        assert worst <= 1e-10, worst

@@ -243,3 +243,38 @@ def vlm_refusals() -> dict[str, str]:
             )
         ),
     }
+
+
+def vlm_variant_vs_reference(kind: str, mode: str) -> float:
+    """The worst gradient error (fp64, U2 x R2) of a VLM trained with HF gradient checkpointing (``"gc"``), as a
+    PEFT LoRA model (``"lora"``) or with ``sequence_parallel.memory.activation_checkpointing`` (``"memory"``)."""
+    from tests.helpers.meshes import mesh_for
+
+    memory = {"activation_checkpointing": True} if mode == "memory" else None
+    mesh = mesh_for(
+        {"size": dist.get_world_size(), "ulysses_degree": 2} | ({"memory": memory} if memory else {})
+    )
+    ref = tiny_vlm(kind).double()
+    if mode == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        ref = get_peft_model(ref, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():
+            for name, param in ref.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(std=0.1)
+    model = copy.deepcopy(ref)
+    if mode == "gc":
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = _cast(vlm_batch(tiny_vlm(kind), kind, [[5, "image", 7, "image", 3, "image", 4]]), torch.float64)
+    ref(**batch).loss.backward()
+    sp = SeqParVisionLM(model, mesh)
+    sp(**shard_batch(batch, mesh, whole=sp.whole_inputs)).backward()
+    worst = 0.0
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters(), strict=True):
+        if p_ref.grad is not None:
+            grad = p.grad.clone()
+            dist.all_reduce(grad, group=mesh.group("sp"))
+            worst = max(worst, grad_err(name, grad, p_ref.grad))
+    return worst

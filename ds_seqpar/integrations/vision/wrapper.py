@@ -83,6 +83,10 @@ class SeqParVisionLM(SeqParCausalLM):
             )
         self.whole_inputs = _vision_keywords(base)
         self._base = base
+        for _, tower, _ in vision_towers(
+            hf
+        ):  # a tower attends inside its units, on each rank: not over the group
+            tower.config._attn_implementation = self._local_attention
 
     def _vision_inputs(self, extra: dict[str, Any]) -> dict[str, Any]:
         """Pop the vision inputs out of ``extra``; any other non-None keyword is left for ``_refuse_masks``."""
