@@ -73,17 +73,25 @@ def test_fewer_units_than_ranks_still_exact(dist_pool):
         assert rep["loss_err"] <= 1e-5 and max(rep["grad"].values()) <= 1e-5, rep
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "llava_onevision", "gemma3"])
-def test_vlm_under_zero3_matches_plain_training(dist_pool, kind):
-    for rep in dist_pool(4).run(vlm_zero3_vs_reference, kind, spec_of(kind)):
+@pytest.mark.parametrize(
+    ("kind", "u", "packed"), [("qwen2_vl", 2, False), ("llava_onevision", 1, True), ("gemma3", 2, True)]
+)
+def test_vlm_under_zero3_matches_plain_training(dist_pool, kind, u, packed):
+    spec = packed_spec(kind) if packed else spec_of(kind)
+    for rep in dist_pool(4).run(vlm_zero3_vs_reference, kind, spec, u, packed):
         assert rep["loss_err"] <= 1e-5, rep
         assert max(rep["grad"].values()) <= 1e-5, rep
 
 
+ZERO3_MATRIX = [(k, u, packed) for k in VLM_KINDS for u in (2, 1) for packed in (False, True)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl", "llava_next_video"])
-def test_vlm_under_zero3_matches_plain_training_more_families(dist_pool, kind):
-    for rep in dist_pool(4).run(vlm_zero3_vs_reference, kind, spec_of(kind)):
+@pytest.mark.parametrize(("kind", "u", "packed"), ZERO3_MATRIX)
+def test_vlm_under_zero3_every_family_and_mesh(dist_pool, kind, u, packed):
+    """Every family, U2 x R2 and a ring of 4, one row of images and a video cut by the shards, and packed documents."""
+    spec = packed_spec(kind) if packed else spec_of(kind)
+    for rep in dist_pool(4).run(vlm_zero3_vs_reference, kind, spec, u, packed):
         assert rep["loss_err"] <= 1e-5, rep
         assert max(rep["grad"].values()) <= 1e-5, rep
 

@@ -127,15 +127,18 @@ def vlm_sp_vs_reference(
     }
 
 
-def vlm_zero3_vs_reference(kind: str, spec: list[list], steps: int = 2, lr: float = 0.05) -> dict:
-    """``steps`` SGD steps with ds_seqpar.initialize under ZeRO-3 (fp32) and in-process without SP; the first
-    step's gathered gradient errors per part and every step's loss error."""
+def vlm_zero3_vs_reference(
+    kind: str, spec: list[list], u: int = 2, packed: bool = False, steps: int = 2, lr: float = 0.05
+) -> dict:
+    """``steps`` SGD steps with ds_seqpar.initialize under ZeRO-3 (fp32, Ulysses degree ``u`` over the world,
+    zigzag) and in-process without SP; the first step's gathered gradient errors per part and every step's loss
+    error. ``packed``: every step's batch is the documents of ``spec`` packed in one row."""
     import deepspeed
 
     ref = tiny_vlm(kind)
     model = copy.deepcopy(ref)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
-    config = ab_ds_config(dist.get_world_size(), 2 if dist.get_world_size() % 2 == 0 else 1, 3)
+    config = ab_ds_config(dist.get_world_size(), u, 3)
     engine, _, _, _ = ds_seqpar.initialize(
         model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=lr)
     )
@@ -143,9 +146,13 @@ def vlm_zero3_vs_reference(kind: str, spec: list[list], steps: int = 2, lr: floa
     names = [n for n, _ in ref.named_parameters()]
     losses, worst = [], {"language": 0.0, "projector": 0.0, "vision": 0.0}
     for step in range(steps):
-        batch = vlm_batch(ref, kind, spec, seed=step)
+        batch, docs = (
+            packed_batch(ref, kind, spec, seed=step)
+            if packed
+            else (vlm_batch(ref, kind, spec, seed=step),) * 2
+        )
         ref_opt.zero_grad()
-        ref_loss = ref(**batch).loss
+        ref_loss = reference_loss(ref, docs if packed else [batch])
         ref_loss.backward()
         loss = engine(**shard_batch(batch, mesh, whole=engine.module.whole_inputs))
         engine.backward(loss)
