@@ -83,9 +83,8 @@ class SeqParVisionLM(SeqParCausalLM):
             )
         self.whole_inputs = _vision_keywords(base)
         self._base = base
-        for _, tower, _ in vision_towers(
-            hf
-        ):  # a tower attends inside its units, on each rank: not over the group
+        # a tower attends inside its units, on each rank, not over the group: its own attention implementation
+        for _, tower, _ in vision_towers(hf):
             tower.config._attn_implementation = self._local_attention
 
     def _vision_inputs(self, extra: dict[str, Any]) -> dict[str, Any]:
