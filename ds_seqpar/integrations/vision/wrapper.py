@@ -24,6 +24,7 @@ from ds_seqpar.integrations.causal_lm import SeqParCausalLM
 from ds_seqpar.integrations.context import ACTIVE_CONTEXT, SeqParContext
 from ds_seqpar.integrations.hf_model import UnsupportedModelError, unwrap_hf_model
 from ds_seqpar.integrations.vision.language import TokenShard, sharded_language_model
+from ds_seqpar.integrations.vision.masks import MASK_INPUTS, MaskProbe, block_ids, probe_masks
 from ds_seqpar.integrations.vision.positions import packed_rope_positions
 from ds_seqpar.integrations.vision.split_tower import split_towers, vision_towers
 from ds_seqpar.settings import input_layout
@@ -45,8 +46,6 @@ OWN_KEYWORDS = frozenset(
 )  # fmt: skip
 # Per-token vision inputs ``[B, S0]`` (S0: the rows before the layout's padding); padded with 0 (= text).
 TOKEN_INPUTS = ("mm_token_type_ids",)
-# Per-token inputs that shape the attention mask; refused while they ask for more than the causal mask.
-MASK_INPUTS = ("token_type_ids",)
 
 
 def _vision_keywords(base: torch.nn.Module) -> tuple[str, ...]:
@@ -89,17 +88,7 @@ class SeqParVisionLM(SeqParCausalLM):
 
     def _vision_inputs(self, extra: dict[str, Any]) -> dict[str, Any]:
         """Pop the vision inputs out of ``extra``; any other non-None keyword is left for ``_refuse_masks``."""
-        vision = {k: extra.pop(k) for k in list(extra) if k in self.whole_inputs and extra[k] is not None}
-        for key in MASK_INPUTS:
-            value = vision.get(key)
-            if value is not None and bool((torch.as_tensor(value) != 0).any()):
-                raise UnsupportedModelError(
-                    f"{type(self._parts.hf).__name__}: {key} marks image tokens that attend to each other "
-                    "bidirectionally (an image block mask), which ds_seqpar's attention does not apply yet; "
-                    f"drop {key} to train with the causal mask (a different model), or train without SP"
-                )
-            vision.pop(key, None)
-        return vision
+        return {k: extra.pop(k) for k in list(extra) if k in self.whole_inputs and extra[k] is not None}
 
     def _loss(self, input_ids, targets, position_ids, doc_ids, extra):  # type: ignore[override]
         vision = self._vision_inputs(extra)
@@ -126,11 +115,14 @@ class SeqParVisionLM(SeqParCausalLM):
                 if doc is None or int(doc.max()) == 0
                 else packed_rope_positions(self._base, rows, doc, vision)
             )
+        blocks = self._blocks(vision, seq_len)
+        probe = MaskProbe(blocks, seq_len, self.config.model_type)
         shard = TokenShard(layout, self.mesh.coords.sp_rank, seq_len, masks_handled=True)
         local = SeqParContext(self.mesh, local_attention=self._local_attention)
         token = ACTIVE_CONTEXT.set(local)
         try:
             with (
+                probe_masks(probe),
                 split_towers(self._parts.hf, self.mesh),
                 sharded_language_model(self._parts.decoder, ctx, shard),
             ):
@@ -145,6 +137,17 @@ class SeqParVisionLM(SeqParCausalLM):
             ACTIVE_CONTEXT.reset(token)
         self._check_calls(ctx)
         return out.last_hidden_state
+
+    def _blocks(self, vision: dict[str, Any], seq_len: int) -> torch.Tensor | None:
+        """Block ids ``[B, S]`` of the tokens that attend to each other bidirectionally (``masks.py``), or None."""
+        blocks = block_ids(self.config.model_type, vision)
+        if blocks is None:
+            return None
+        raise UnsupportedModelError(
+            f"{type(self._parts.hf).__name__}: {', '.join(k for k in MASK_INPUTS if k in vision)} marks image tokens "
+            "that attend to each other bidirectionally (an image block mask), which ds_seqpar's attention does not "
+            "apply yet; drop it to train with the causal mask (a different model), or train without SP"
+        )
 
     @property
     def _mrope(self) -> bool:
