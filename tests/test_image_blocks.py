@@ -9,7 +9,7 @@ are longer than the window. Refusals run in the same pool (one spawn per P).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -23,6 +23,7 @@ from ds_seqpar.ops.attention.reference import dense_attention_reference
 from ds_seqpar.ops.image_blocks import block_reach, check_blocks
 from ds_seqpar.ops.masks import BlockKind, MaskSpec, classify_block, token_mask
 from ds_seqpar.parallel.ring import RingPlan
+from ds_seqpar.parallel.ring import tasks as ring_tasks
 from tests.helpers.cases import AttentionCase
 from tests.helpers.meshes import mesh_for
 from tests.helpers.references import assert_within
@@ -46,7 +47,7 @@ class BlockCase:
     case: AttentionCase
     runs: tuple[tuple[int, int], ...]
     row_runs: tuple[tuple[int, int], ...] | None = None
-    kernel_note: str = field(default="", compare=False)
+    tile: int | None = None  # IMAGE_BLOCK_TILE for this case: long pairs cut into tiles
 
     def blocks(self) -> torch.Tensor:
         s = self.case.seq_len
@@ -92,11 +93,13 @@ def run_block_cases(cases: list[BlockCase]) -> list[dict[str, float]]:
         ref.backward(dout)
         me = mesh.coords.sp_rank
         local = [layout.shard(t, me).detach().clone().requires_grad_() for t in (q, k, v)]
+        ring_tasks.IMAGE_BLOCK_TILE = bc.tile or 1024
         out = ds_seqpar.attention(
             *local, mesh=mesh, causal=case.causal, window=case.window, doc_ids=docs, softcap=case.softcap,
             sinks=sinks, alibi_slopes=slopes, blocks=blocks,
         )  # fmt: skip
         out.backward(layout.shard(dout, me))
+        ring_tasks.IMAGE_BLOCK_TILE = 1024
         got = [out, *(t.grad for t in local)]
         want = [ref, *(t.grad for t in leaves)]
         results.append({
@@ -124,6 +127,13 @@ def _cases(p: int) -> list[BlockCase]:
         BlockCase(replace(ring, alibi=True, schedule="all_gather"), straddle),
         BlockCase(replace(ring, layout="documents", cu_seqlens=cu), in_docs),  # a document placement
         BlockCase(replace(ring, causal=False, window=9), straddle),  # ignored: the plain non-causal mask
+        BlockCase(
+            replace(ring, layout="contiguous", cu_seqlens=cu),
+            in_docs,
+            ((0, 5), (9, 14), (s // 2 + 4, s - 3)),
+            tile=3,
+        ),  # tiles
+        BlockCase(replace(ring, layout="stripe", window=5), straddle, tile=2),
     ]
     if p == 4:
         usp = replace(ring, attention="usp", u=2, h=8)  # U2 x R2
@@ -240,3 +250,25 @@ def test_hf_attention_passes_blocks_and_refuses_them_where_not_honoured(monkeypa
         with pytest.raises(UnsupportedModelError, match=f"image blocks .* not honoured in {where}"):
             call()
         setattr(ctx, field_name, before)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("docs", [False, True])
+def test_tiles_cover_exactly_the_visible_pairs(monkeypatch, window, docs):
+    """``block_tasks`` of a long pair with image blocks: tiles (FULL / CAUSAL / trimmed PARTIAL) cover every
+    visible pair once and nothing else; no mask is larger than a tile."""
+    monkeypatch.setattr(ring_tasks, "IMAGE_BLOCK_TILE", 4)
+    s, spec = 48, MaskSpec(window=window)
+    blocks = torch.stack([_ids(((3, 9), (20, 31)), s), _ids(((0, 2), (13, 17)), s)])
+    doc = torch.tensor([0] * 18 + [1] * 27 + [-1] * 3) if docs else None
+    pos = torch.arange(s)
+    ends = pos + block_reach(blocks)
+    tasks = ring_tasks.block_tasks(spec, [(0, s)], [(0, s)], pos, pos, doc, doc, q_end=ends)
+    cover = torch.zeros(2, s, s, dtype=torch.int64)
+    for t in tasks:
+        rows, cols = t.q_rows.stop - t.q_rows.start, t.k_rows.stop - t.k_rows.start
+        part = {BlockKind.FULL: torch.ones(rows, cols), BlockKind.CAUSAL: torch.ones(rows, cols).tril()}
+        cover[:, t.q_rows, t.k_rows] += part.get(t.kind, t.mask).long()
+    assert torch.equal(cover, reference_mask(blocks, spec, doc).long())
+    assert all(t.mask is None or max(t.mask.shape[-2:]) <= 4 for t in tasks)  # no mask of the whole pair
+    assert window is not None or any(t.kind is BlockKind.CAUSAL for t in tasks)

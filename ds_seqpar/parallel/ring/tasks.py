@@ -33,6 +33,7 @@ __all__ = [
 
 BACKWARD_TILES = 4  # a FULL (query segment, key segment) piece runs as up to 4 x 4 tiles in backward
 BACKWARD_TILE_ROWS = 1024  # rows per tile side, at least (small blocks stay one call)
+IMAGE_BLOCK_TILE = 1024  # tile edge of long segment pairs with image blocks (``_image_block_tiles``)
 
 
 @dataclass(frozen=True)
@@ -301,6 +302,45 @@ def _document_tasks(
     return tasks
 
 
+def _image_block_tiles(
+    spec: MaskSpec,
+    q_seg: tuple[int, int],
+    k_seg: tuple[int, int],
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    q_doc: Any,
+    k_doc: Any,
+    q_end: torch.Tensor,
+) -> list[BlockTask] | None:
+    """A long segment pair with image blocks (``q_end``), cut into tiles of ``IMAGE_BLOCK_TILE`` tokens (the
+    window's tile with a window) that are classified one by one: the diagonal of a causal pair is then CAUSAL
+    and FULL tiles with small PARTIAL tiles only where a block or a document border crosses, instead of one
+    mask of the whole pair (docs/kernels.md "Image blocks"). None when the pair is small."""
+    (qa, qb), (ka, kb) = q_seg, k_seg
+    tile = IMAGE_BLOCK_TILE if spec.window is None else min(IMAGE_BLOCK_TILE, window_tile(spec.window))
+    if max(qb - qa, kb - ka) <= 4 * tile:
+        return None
+    tasks: list[BlockTask] = []
+    for a in range(qa, qb, tile):
+        b = min(a + tile, qb)
+        for c in range(ka, kb, tile):
+            d = min(c + tile, kb)
+            kind, mask = classify_block(
+                q_pos[..., a:b],
+                k_pos[..., c:d],
+                spec,
+                _rows(q_doc, a, b),
+                _rows(k_doc, c, d),
+                q_end[..., a:b],
+            )
+            if kind is not BlockKind.EMPTY:
+                task = BlockTask(slice(a, b), slice(c, d), kind, mask, 0)
+                tasks.append(_trimmed(task) if kind is BlockKind.PARTIAL else task)
+    if tasks:
+        tasks[0] = dataclasses.replace(tasks[0], segment_pairs=1)
+    return tasks
+
+
 def _rows(x: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
     """Columns ``start:stop`` of a ``[n]`` / ``[B, n]`` tensor, or None."""
     return None if x is None else x[..., start:stop]
@@ -421,6 +461,8 @@ def _pair_tasks(
     (qa, qb), (ka, kb) = q_seg, k_seg
     plain = q_doc is None and q_end is None
     tiled = _window_tasks(spec, q_seg, k_seg, q_pos, k_pos) if plain else None
+    if q_end is not None:
+        tiled = _image_block_tiles(spec, q_seg, k_seg, q_pos, k_pos, q_doc, k_doc, q_end)
     if tiled is not None:
         return tiled
     ends = _rows(q_end, qa, qb)
