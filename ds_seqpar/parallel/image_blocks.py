@@ -31,7 +31,7 @@ def image_block_reach(
     sees the later tokens of its own block (Gemma 3's bidirectional image tokens; the window still bounds
     ``i - j < window``). Each block must be one run of consecutive tokens inside one document (checked, raising
     by name). Ignored with ``causal=False`` (a non-causal query already sees its whole block within its
-    window). Refused by name with ``chunk``, ``dynamic_degree`` (``layout.group_degree``) and ``sparse_ring``.
+    window). Refused by name with ``chunk`` and ``sparse_ring``.
 
     Returns the reach of ``blocks`` for the ring plan (``[S]`` / ``[B, S]`` int64), or None."""
     if blocks is None or not causal:
@@ -47,11 +47,5 @@ def image_block_reach(
             f"ds_seqpar.attention: blocks with chunk={chunk}: HF lets an image block see across a chunk border "
             "(its block overlay is OR'd after the chunk rule), which the chunks-as-documents path cannot; pass "
             "blocks=None for chunked layers or chunk=None"
-        )
-    if layout.group_degree is not None:
-        raise ValueError(
-            "ds_seqpar.attention: blocks with sequence_parallel.dynamic_degree (this batch runs in groups of "
-            "ranks over their own documents): the grouped plan does not carry image blocks yet; set "
-            "dynamic_degree to false for batches with image blocks"
         )
     return blocks_reach(blocks, seq_len, q.shape[0], doc_ids, q.device)

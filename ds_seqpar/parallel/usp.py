@@ -232,7 +232,7 @@ def attention(
                                 softmax_scale=softmax_scale, **mask)  # fmt: skip
     mask = MaskSpec(causal=causal, window=window)
     if layout.group_degree is not None:  # dynamic_degree: this batch runs in groups over their own documents
-        plan = grouped_plan(mesh, layout, mask, doc_ids, work, softcap)
+        plan = grouped_plan(mesh, layout, mask, doc_ids, work, softcap, reach)
         agree()
         return grouped_attention(q, k, v, dataclasses.replace(plan, alibi=alibi_slopes), softmax_scale, sinks)
     plan = _ring_plan(mesh, layout, mask, doc_ids, work, softcap, reach)
