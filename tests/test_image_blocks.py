@@ -71,7 +71,7 @@ def reference_mask(blocks: torch.Tensor, spec: MaskSpec, docs: torch.Tensor | No
 
 def run_block_cases(cases: list[BlockCase]) -> list[dict[str, float]]:
     """Per case, the max abs error of out, dq, dk, dv of this rank's shard."""
-    world, results = dist.get_world_size(), []
+    world, results, default_tile = dist.get_world_size(), [], ring_tasks.IMAGE_BLOCK_TILE
     for i, bc in enumerate(cases):
         case = bc.case
         mesh = mesh_for(case.section(world))
@@ -93,13 +93,13 @@ def run_block_cases(cases: list[BlockCase]) -> list[dict[str, float]]:
         ref.backward(dout)
         me = mesh.coords.sp_rank
         local = [layout.shard(t, me).detach().clone().requires_grad_() for t in (q, k, v)]
-        ring_tasks.IMAGE_BLOCK_TILE = bc.tile or 1024
+        ring_tasks.IMAGE_BLOCK_TILE = bc.tile or default_tile
         out = ds_seqpar.attention(
             *local, mesh=mesh, causal=case.causal, window=case.window, doc_ids=docs, softcap=case.softcap,
             sinks=sinks, alibi_slopes=slopes, blocks=blocks,
         )  # fmt: skip
         out.backward(layout.shard(dout, me))
-        ring_tasks.IMAGE_BLOCK_TILE = 1024
+        ring_tasks.IMAGE_BLOCK_TILE = default_tile
         got = [out, *(t.grad for t in local)]
         want = [ref, *(t.grad for t in leaves)]
         results.append({

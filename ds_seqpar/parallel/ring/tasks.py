@@ -33,7 +33,7 @@ __all__ = [
 
 BACKWARD_TILES = 4  # a FULL (query segment, key segment) piece runs as up to 4 x 4 tiles in backward
 BACKWARD_TILE_ROWS = 1024  # rows per tile side, at least (small blocks stay one call)
-IMAGE_BLOCK_TILE = 1024  # tile edge of long segment pairs with image blocks (``_image_block_tiles``)
+IMAGE_BLOCK_TILE = 512  # tile edge of long segment pairs with image blocks (``_image_block_tiles``)
 
 
 @dataclass(frozen=True)
@@ -315,10 +315,10 @@ def _image_block_tiles(
     """A long segment pair with image blocks (``q_end``), cut into tiles of ``IMAGE_BLOCK_TILE`` tokens (the
     window's tile with a window) that are classified one by one: the diagonal of a causal pair is then CAUSAL
     and FULL tiles with small PARTIAL tiles only where a block or a document border crosses, instead of one
-    mask of the whole pair (docs/kernels.md "Image blocks"). None when the pair is small."""
+    mask of the whole pair (docs/kernels.md "Image blocks"). None when the pair fits in one tile."""
     (qa, qb), (ka, kb) = q_seg, k_seg
     tile = IMAGE_BLOCK_TILE if spec.window is None else min(IMAGE_BLOCK_TILE, window_tile(spec.window))
-    if max(qb - qa, kb - ka) <= 4 * tile:
+    if max(qb - qa, kb - ka) <= tile:
         return None
     tasks: list[BlockTask] = []
     for a in range(qa, qb, tile):
