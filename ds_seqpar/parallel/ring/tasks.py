@@ -320,6 +320,9 @@ def _image_block_tiles(
     tile = IMAGE_BLOCK_TILE if spec.window is None else min(IMAGE_BLOCK_TILE, window_tile(spec.window))
     if max(qb - qa, kb - ka) <= tile:
         return None
+    docs = (_rows(q_doc, qa, qb), _rows(k_doc, ka, kb))
+    if quick_block_kind(q_pos[..., qa:qb], k_pos[..., ka:kb], spec, *docs, q_end[..., qa:qb]) is not None:
+        return None  # the whole pair is one EMPTY / FULL / CAUSAL call
     tasks: list[BlockTask] = []
     for a in range(qa, qb, tile):
         b = min(a + tile, qb)
