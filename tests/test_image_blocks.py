@@ -48,12 +48,19 @@ class BlockCase:
     runs: tuple[tuple[int, int], ...]
     row_runs: tuple[tuple[int, int], ...] | None = None
     tile: int | None = None  # IMAGE_BLOCK_TILE for this case: long pairs cut into tiles
+    row_cu: tuple[int, ...] | None = None  # the second row's documents ([B, S] doc_ids)
 
     def blocks(self) -> torch.Tensor:
         s = self.case.seq_len
         if self.row_runs is None:
             return _ids(self.runs, s)
         return torch.stack([_ids(self.runs, s), _ids(self.row_runs, s)])
+
+    def docs(self) -> torch.Tensor | None:
+        first = self.case.doc_ids()
+        if self.row_cu is None:
+            return first
+        return torch.stack([first, replace(self.case, cu_seqlens=self.row_cu).doc_ids()])
 
 
 def reference_mask(blocks: torch.Tensor, spec: MaskSpec, docs: torch.Tensor | None) -> torch.Tensor:
@@ -65,7 +72,8 @@ def reference_mask(blocks: torch.Tensor, spec: MaskSpec, docs: torch.Tensor | No
     if spec.window is not None:
         mask = mask & ((q - k < spec.window) if spec.causal else ((q - k).abs() < spec.window))
     if docs is not None:
-        mask = mask & (docs[:, None] == docs[None, :]) & (docs[:, None] >= 0) & (docs[None, :] >= 0)
+        q_doc, k_doc = docs[..., :, None], docs[..., None, :]
+        mask = mask & (q_doc == k_doc) & (q_doc >= 0) & (k_doc >= 0)
     return mask
 
 
@@ -75,7 +83,7 @@ def run_block_cases(cases: list[BlockCase]) -> list[dict[str, float]]:
     for i, bc in enumerate(cases):
         case = bc.case
         mesh = mesh_for(case.section(world))
-        docs, blocks = case.doc_ids(), bc.blocks()
+        docs, blocks = bc.docs(), bc.blocks()
         layout = ds_seqpar.input_layout(mesh, docs)
         g = torch.Generator().manual_seed(i)
         q, k, v, dout = (
@@ -135,6 +143,13 @@ def _cases(p: int) -> list[BlockCase]:
             tile=3,
         ),  # tiles
         BlockCase(replace(ring, layout="stripe", window=5), straddle, tile=2),
+        BlockCase(  # [B, S] documents and blocks, tiled
+            replace(ring, layout="contiguous", cu_seqlens=cu),
+            in_docs,
+            ((2, 8), (s // 2 + 8, s - 2)),
+            3,
+            (0, 9, s),
+        ),
         BlockCase(  # dynamic_degree: every rank alone (p = 1)
             replace(dyn, cu_seqlens=tuple(range(0, s + 1, 4))), tuple((i, i + 3) for i in range(1, s, 8))
         ),
