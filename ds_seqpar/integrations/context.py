@@ -48,7 +48,6 @@ class SeqParContext:
 
     mesh: SeqParMesh
     doc_ids: torch.Tensor | None = None
-    blocks: torch.Tensor | None = None
     work: WorkCounter | None = None
     step: int = 0
     calls: int = field(default=0)
@@ -75,6 +74,7 @@ class SeqParContext:
         return layer if n == 0 else (layer, n)
 
     approximate: Any = None  # an approximate prefill's attention (integrations/apb_prefill.py), else None
+    blocks: torch.Tensor | None = None  # image block ids [S] / [B, S] of the whole sequence (class docstring)
 
     def record(
         self,
