@@ -181,6 +181,7 @@ def refusals(_: object = None) -> list[str]:
         (base, _ids(((s // 2 - 1, s // 2 + 1),), s), docs, None),  # crosses a document border
         (base, _ids(((s - 3, s),), s), docs, None),  # covers padding
         (base, _ids(((0, 2),), s), None, 4),  # chunk
+        (replace(base, sparse="stripe", attention="sparse_ring"), _ids(((0, 2),), s), None, None),
     ]
     messages = []
     for case, blocks, doc_ids, chunk in bad:
@@ -205,7 +206,7 @@ def test_image_blocks_match_reference_on_every_path(dist_pool, p):
     if p == 2:
         messages = pool.run(refusals)[0]
         expected = ("has shape (", "has dtype torch.float32", "split into 2 runs", "crosses a document border",
-                    "covers padding", "chunk=4")  # fmt: skip
+                    "covers padding", "chunk=4", "sparse_ring")  # fmt: skip
         for got, want in zip(messages, expected, strict=True):
             assert want in got and "blocks" in got, (want, got)
 
@@ -293,3 +294,12 @@ def test_tiles_cover_exactly_the_visible_pairs(monkeypatch, window, docs):
     assert torch.equal(cover, reference_mask(blocks, spec, doc).long())
     assert all(t.mask is None or max(t.mask.shape[-2:]) <= 4 for t in tasks)  # no mask of the whole pair
     assert window is not None or any(t.kind is BlockKind.CAUSAL for t in tasks)
+
+
+@pytest.mark.slow  # P = 2 and 4 run in the default suite; a pool of 3 costs ~10 s more
+def test_image_blocks_match_reference_at_an_odd_degree(dist_pool):
+    cases = _cases(3)
+    results = dist_pool(3).run(run_block_cases, cases)
+    for i, bc in enumerate(cases):
+        for rank, per_rank in enumerate(results):
+            assert_within(per_rank[i], TOL, f"{bc} rank {rank}")
