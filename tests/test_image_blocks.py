@@ -303,3 +303,17 @@ def test_image_blocks_match_reference_at_an_odd_degree(dist_pool):
     for i, bc in enumerate(cases):
         for rank, per_rank in enumerate(results):
             assert_within(per_rank[i], TOL, f"{bc} rank {rank}")
+
+
+def test_an_id_may_come_back_in_another_document():
+    """HF's packed mask separates documents, so one id per document is one block each; twice in one document
+    (or across a border) is refused."""
+    s = 20
+    doc = torch.tensor([0] * 8 + [1] * 10 + [-1] * 2)
+    blocks = _ids(((2, 5),), s)
+    blocks[10:14] = 10  # the id of the first document's block, again in the second
+    check_blocks(blocks, s, 1, doc)
+    assert torch.equal(block_reach(blocks), block_reach(_ids(((2, 5), (10, 14)), s)))
+    blocks[16] = 10
+    with pytest.raises(ValueError, match=r"id 10 of batch row 0 is split into 2 runs \(document 1\)"):
+        check_blocks(blocks, s, 1, doc)

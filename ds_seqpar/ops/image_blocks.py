@@ -29,23 +29,27 @@ def _fail(detail: str) -> ValueError:
 
 
 def _check_runs(row: torch.Tensor, doc: torch.Tensor | None, index: int) -> None:
-    """One row ``[S]``: every block id >= 0 is one run, not on padding, inside one document."""
+    """One row ``[S]``: every block id >= 0 is one run per document (an id may come back in another document:
+    the documents' rule separates them, as HF's packed mask does), not on padding, inside one document."""
     image = row >= 0
-    prev = torch.cat([row.new_full((1,), -1), row[:-1]])
-    starts = row[image & (row != prev)]
-    ids, counts = torch.unique(starts, return_counts=True)
-    if bool((counts > 1).any()):
-        bad = int(ids[counts > 1][0])
-        raise _fail(f"id {bad} of batch row {index} is split into {int(counts[ids == bad])} runs")
-    if doc is None:
-        return
-    if bool((image & (doc < 0)).any()):
+    if doc is not None and bool((image & (doc < 0)).any()):
         at = int((image & (doc < 0)).nonzero()[0])
         raise _fail(f"id {int(row[at])} of batch row {index} covers padding (doc_ids < 0) at token {at}")
-    cut = image[1:] & (row[1:] == row[:-1]) & (doc[1:] != doc[:-1])
-    if bool(cut.any()):
-        at = int(cut.nonzero()[0]) + 1
-        raise _fail(f"id {int(row[at])} of batch row {index} crosses a document border at token {at}")
+    if doc is not None:
+        cut = image[1:] & (row[1:] == row[:-1]) & (doc[1:] != doc[:-1])
+        if bool(cut.any()):
+            at = int(cut.nonzero()[0]) + 1
+            raise _fail(f"id {int(row[at])} of batch row {index} crosses a document border at token {at}")
+    prev = torch.cat([row.new_full((1,), -1), row[:-1]])
+    starts = image & (row != prev)
+    keys = torch.stack(
+        [row[starts], (torch.zeros_like(row) if doc is None else doc.to(row.dtype))[starts]], 1
+    )
+    found, counts = torch.unique(keys, dim=0, return_counts=True)
+    if bool((counts > 1).any()):
+        bad, runs = found[counts > 1][0], int(counts[counts > 1][0])
+        where = "" if doc is None else f" (document {int(bad[1])})"
+        raise _fail(f"id {int(bad[0])} of batch row {index} is split into {runs} runs{where}")
 
 
 def check_blocks(
