@@ -107,7 +107,8 @@ def test_assign_units_balances_whole_units():
 
 def test_refusals_name_what_they_cannot_honour(dist_pool):
     rep = dist_pool(4).run(vlm_refusals)[0]
-    assert "token_type_ids" in rep["token_type_ids"] and "bidirectional" in rep["token_type_ids"], rep
+    assert "token_type_ids" in rep["token_type_ids"] and "'paligemma'" in rep["token_type_ids"], rep
+    assert "sees later tokens" in rep["probe"] and "query 6 sees key 7" in rep["probe"], rep
     assert "pixel_mask" in rep["unknown"], rep
     assert "cross_attention_states" in rep["language_keyword"], rep
     assert "language_model" in rep["text_model"], rep

@@ -16,7 +16,7 @@ from tests.helpers.hf_models import tiny_model
 from tests.helpers.vlm_models import tiny_vlm, token_ids, vlm_batch
 
 TEXT_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
-TOKEN_KEYS = ("mm_token_type_ids",)  # per-token vision inputs: packed along the row
+TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")  # per-token vision inputs: packed along the row
 
 
 def part_of(name: str) -> str:
@@ -217,7 +217,10 @@ def _message(fn) -> str:
 
 def vlm_refusals() -> dict[str, str]:
     """The errors of inputs and models SeqParVisionLM refuses (every rank raises the same, no collective hangs)."""
+    from transformers.masking_utils import blockwise_overlay
+
     from ds_seqpar.integrations.vision.language import TokenShard, _local_inputs
+    from ds_seqpar.integrations.vision.masks import MaskProbe, block_ids
     from ds_seqpar.integrations.vision.towers import TOWER_RULES
 
     mesh = sp_mesh(2, "zigzag")
@@ -229,8 +232,11 @@ def vlm_refusals() -> dict[str, str]:
     layout = input_layout(mesh)
     frames = TOWER_RULES["frames"].split
     return {
-        "token_type_ids": _message(
-            lambda: sp(**shard, pixel_values=batch["pixel_values"], token_type_ids=blocks)
+        "token_type_ids": _message(lambda: block_ids("paligemma", {"token_type_ids": blocks})),
+        "probe": _message(
+            lambda: MaskProbe(None, 16, "gemma3")(
+                1, 16, 16, mask_function=blockwise_overlay(blocks[:, :16] - 1)
+            )
         ),
         "unknown": _message(lambda: sp(**shard, pixel_values=batch["pixel_values"], pixel_mask=blocks)),
         "language_keyword": _message(

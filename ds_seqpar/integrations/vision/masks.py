@@ -95,8 +95,14 @@ class MaskProbe:
     (query and the next key in the same block), by evaluating the model's own mask function at each (q, q + 1).
     A family whose mask deviates (a prefix-LM, an image block no rule knows) is refused by name."""
 
-    def __init__(self, blocks: torch.Tensor | None, seq_len: int, model_type: str) -> None:
+    def __init__(
+        self, blocks: torch.Tensor | None, seq_len: int, model_type: str, packed: bool = False
+    ) -> None:
         self.blocks, self.seq_len, self.model_type = blocks, seq_len, model_type
+        # Packed rows: transformers numbers the tokens of each document from 0 in the masks it builds and looks
+        # the blocks up at those numbers, not at the row's (a mask the plain model never builds, since it sees
+        # every document alone): the blocks' rule is trusted there, and only rows without blocks are checked.
+        self.skip = packed and blocks is not None
 
     def expected(self, batch: int, length: int, device: torch.device) -> torch.Tensor:
         """Whether query q sees key q + 1 ``[B, length]``: inside a block on the whole rows, else never."""
@@ -108,7 +114,7 @@ class MaskProbe:
     def __call__(self, batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                  mask_function: Callable | None = None, device: Any = None, **_: Any) -> None:  # fmt: skip
         length = min(q_length, kv_length - 1 + kv_offset - q_offset)
-        if mask_function is None or length <= 0:
+        if mask_function is None or length <= 0 or self.skip:
             return None
         q = torch.arange(length, device=device) + q_offset
         b = torch.arange(batch_size, device=device)[:, None]

@@ -45,7 +45,7 @@ OWN_KEYWORDS = frozenset(
      "past_key_values", "cache_position", "logits_to_keep", "return_dict", "mm_encoder_outputs", "kwargs"}
 )  # fmt: skip
 # Per-token vision inputs ``[B, S0]`` (S0: the rows before the layout's padding); padded with 0 (= text).
-TOKEN_INPUTS = ("mm_token_type_ids",)
+TOKEN_INPUTS = ("mm_token_type_ids", *MASK_INPUTS)
 
 
 def _vision_keywords(base: torch.nn.Module) -> tuple[str, ...]:
@@ -115,8 +115,9 @@ class SeqParVisionLM(SeqParCausalLM):
                 if doc is None or int(doc.max()) == 0
                 else packed_rope_positions(self._base, rows, doc, vision)
             )
-        blocks = self._blocks(vision, seq_len)
-        probe = MaskProbe(blocks, seq_len, self.config.model_type)
+        ctx.blocks = self._blocks(vision)  # the attention of every layer applies them (docs/kernels.md)
+        packed = doc is not None and int(doc.max()) > 0
+        probe = MaskProbe(ctx.blocks, seq_len, self.config.model_type, packed)
         shard = TokenShard(layout, self.mesh.coords.sp_rank, seq_len, masks_handled=True)
         local = SeqParContext(self.mesh, local_attention=self._local_attention)
         token = ACTIVE_CONTEXT.set(local)
@@ -138,16 +139,9 @@ class SeqParVisionLM(SeqParCausalLM):
         self._check_calls(ctx)
         return out.last_hidden_state
 
-    def _blocks(self, vision: dict[str, Any], seq_len: int) -> torch.Tensor | None:
+    def _blocks(self, vision: dict[str, Any]) -> torch.Tensor | None:
         """Block ids ``[B, S]`` of the tokens that attend to each other bidirectionally (``masks.py``), or None."""
-        blocks = block_ids(self.config.model_type, vision)
-        if blocks is None:
-            return None
-        raise UnsupportedModelError(
-            f"{type(self._parts.hf).__name__}: {', '.join(k for k in MASK_INPUTS if k in vision)} marks image tokens "
-            "that attend to each other bidirectionally (an image block mask), which ds_seqpar's attention does not "
-            "apply yet; drop it to train with the causal mask (a different model), or train without SP"
-        )
+        return block_ids(self.config.model_type, vision)
 
     @property
     def _mrope(self) -> bool:
