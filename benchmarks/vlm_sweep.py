@@ -106,7 +106,9 @@ def sweep_one(model_type: str, seed: int = 0) -> dict:
     except Exception as exc:  # the plain tiny model or its inputs
         return {"status": "skipped", "detail": _first_line(exc)}
     text = {k: batch[k] for k in ("input_ids", "labels")}
-    vision = {k: v for k, v in batch.items() if k not in text}
+    vision = {
+        k: v for k, v in batch.items() if k not in text and k != "attention_mask"
+    }  # no padding: SP needs none
     shape = (
         f"{batch['input_ids'].shape[1]} tokens, {'video' if any('video' in k for k in vision) else 'images'}"
     )
@@ -131,7 +133,7 @@ def sweep_vlms(model_types: list[str]) -> list[dict]:
 
 # What is left refused, grouped by cause: (a phrase of the refusal message, the cause as docs/models.md states it)
 CAUSES = (
-    ("no base model whose language_model", "not built as model.language_model + model.<vision tower>"),
+    ("VLMs built as model.language_model", "not built as model.language_model + model.<vision tower>"),
     ("passed [", "the VLM passes its language model an input ds_seqpar cannot cut to this rank's tokens"),
     ("image block mask", "image tokens attend to each other bidirectionally (token_type_ids)"),
     (

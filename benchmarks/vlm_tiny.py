@@ -47,6 +47,11 @@ VLM_OVERRIDES: dict[str, dict[str, Any]] = {
     # a square grid of mm_tokens_per_image pooled tokens from the 4 x 4 patches
     "gemma3": {"mm_tokens_per_image": 4},
     "shieldgemma2": {"mm_tokens_per_image": 4},
+    # the thinkers' get_rope_index reads vision_start_token_id, which their default configs lack (checkpoints set it)
+    "qwen2_5_omni_thinker": {"vision_start_token_id": 151652, "vision_end_token_id": 151653},
+    "qwen3_omni_moe_thinker": {"vision_start_token_id": 151652, "vision_end_token_id": 151653},
+    # the text model builds a sliding-window mask whatever its layer types (checkpoints set the window)
+    "step3p7": {"text_config": {"sliding_window": 4096}},
 }
 
 
@@ -333,6 +338,7 @@ def vlm_batch(model: torch.nn.Module, with_video: bool, seed: int = 0) -> dict[s
         types += [0] * len(wrap[0]) + [1 if kind == "image" else 2] * count + [0] * len(wrap[1])
     row = torch.tensor([ids])
     batch = {"input_ids": row, "labels": row.masked_fill(row >= MEDIA_IDS, -100)}
+    batch["attention_mask"] = torch.ones_like(row)  # what a processor gives (some families need it for mRoPE)
     if "mm_token_type_ids" in _params(type(model).forward):
         batch["mm_token_type_ids"] = torch.tensor([types])
     return batch | vision
