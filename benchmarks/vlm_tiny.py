@@ -27,11 +27,13 @@ from benchmarks.tiny_configs import (
     _OVERRIDES,
     _WINDOW,
     TinyBuildError,
+    _config_values,
     _construct,
     _default_config,
     _first_line,
     _tiny_kwargs,
 )
+from ds_seqpar.integrations.vision.split_tower import TOWER_ATTRIBUTES
 
 VLM_TYPES: list[str] = sorted(VLM_NAMES)
 IMAGE, PATCH, GRID = 16, 4, 4  # pixels per side, pixels per patch side, patches per side
@@ -74,6 +76,8 @@ def _vision_overrides(vision: PretrainedConfig) -> dict[str, Any]:
             over[k] = GRID * GRID * 4
         elif k == "window_size" and isinstance(v, int) and v > IMAGE:
             over[k] = IMAGE // 2
+        elif k == "out_hidden_size" and isinstance(v, int):
+            over[k] = SIZES["hidden_size"]  # the tower's output feeds the text model
     return over
 
 
@@ -97,6 +101,10 @@ def _top_overrides(default: PretrainedConfig) -> dict[str, Any]:
             over[k] = PATCH
     if isinstance(vision, PretrainedConfig):
         over["vision_config"] = _vision_overrides(vision)
+    for k in d:  # adapters that pick tower layers (Molmo 2's adapter_config)
+        sub = getattr(default, k, None)
+        if isinstance(sub, PretrainedConfig) and isinstance(getattr(sub, "vision_feature_layer", None), list):
+            over[k] = {"vision_feature_layer": [-1, -2]}
     return over
 
 
@@ -109,8 +117,8 @@ def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 def _renumber_media(cfg: PretrainedConfig, mapping: dict[int, int]) -> None:
     """Every media token id of ``cfg`` and its sub-configs into [MEDIA_IDS, VOCAB) (same old id, same new)."""
-    for k, v in list(cfg.to_dict().items()):
-        sub = getattr(cfg, k, None)
+    for k, v in _config_values(cfg).items():
+        sub = v
         if isinstance(sub, PretrainedConfig):
             _renumber_media(sub, mapping)
             continue
@@ -132,11 +140,11 @@ def _renumber_media(cfg: PretrainedConfig, mapping: dict[int, int]) -> None:
 def _window_overrides(default: PretrainedConfig) -> dict[str, Any]:
     """Sliding windows the family's default leaves unset stay unset (the text shrink sets every one)."""
     over: dict[str, Any] = {}
-    slides = any("sliding" in str(t) for t in getattr(default, "layer_types", None) or [])
-    for k, v in default.to_dict().items():
-        sub = getattr(default, k, None)
-        if isinstance(sub, PretrainedConfig):
-            over[k] = _window_overrides(sub)
+    values = _config_values(default)  # (per-layer configs: the global values)
+    slides = any("sliding" in str(t) for t in values.get("layer_types") or [])
+    for k, v in values.items():
+        if isinstance(v, PretrainedConfig):
+            over[k] = _window_overrides(v)
         elif (k in _WINDOW or k == "sliding_window") and v is None and not slides:
             over[k] = None
         elif k == "use_sliding_window" and isinstance(v, bool):
@@ -155,19 +163,48 @@ def _mrope_sections(cfg: PretrainedConfig, model_cls: type) -> None:
     rope = getattr(text, "rope_parameters", None)
     if "mrope_section" not in source or not isinstance(rope, dict) or "rope_type" not in rope:
         return
-    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    factor = rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", None) or 1.0)
-    half = int(head * factor) // 2
+    text.rope_parameters = {**rope, "mrope_section": _sections(_config_values(text), rope)}
+
+
+def _sections(text: dict[str, Any], rope: dict[str, Any]) -> list[int]:
+    """(t, h, w) mRoPE sections summing to half the tiny text head's rotary dims (``[2, 3, 3]`` for 16)."""
+    if isinstance(text.get("qk_rope_head_dim"), int):  # MLA: the rotary part of the head (tiny: 8)
+        half = 4
+    else:
+        factor = rope.get("partial_rotary_factor", text.get("partial_rotary_factor") or 1.0)
+        half = int(SIZES["head_dim"] * factor) // 2
     part = 3 * half // 8
-    text.rope_parameters = {**rope, "mrope_section": [half - 2 * part, part, part]}
+    return [half - 2 * part, part, part]
+
+
+def _mrope_overrides(default: PretrainedConfig) -> dict[str, Any]:
+    """Sections the default text config sets (validated at construction): scaled to the tiny head."""
+    text_key = next(
+        (k for k in ("text_config",) if isinstance(getattr(default, k, None), PretrainedConfig)), None
+    )
+    if text_key is None:
+        return {}
+    values = _config_values(getattr(default, text_key))
+    rope = values.get("rope_parameters")
+    if not isinstance(rope, dict) or "mrope_section" not in rope:
+        return {}
+    return {text_key: {"rope_parameters": {**rope, "mrope_section": _sections(values, rope)}}}
 
 
 def tiny_vlm_config(model_type: str, model_cls: type | None = None) -> PretrainedConfig:
     """The config of ``model_type`` made tiny (see the module)."""
     default = _default_config(model_type)
-    over = _merge(_window_overrides(default), _OVERRIDES.get(model_type, {}))
+    over = _merge(
+        _merge(_window_overrides(default), _mrope_overrides(default)), _OVERRIDES.get(model_type, {})
+    )
     over = _merge(_merge(over, _top_overrides(default)), VLM_OVERRIDES.get(model_type, {}))
-    cfg = _construct(type(default), _tiny_kwargs(default, dict(SIZES), is_text=True, overrides=over))
+    try:
+        cfg = _construct(type(default), _tiny_kwargs(default, dict(SIZES), is_text=True, overrides=over))
+    except TinyBuildError as e:  # the validator's own reason, not the wrapper's first line
+        cause = e
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        raise TinyBuildError(f"tiny config rejected: {_first_line(cause)}") from e
     _renumber_media(cfg, {})
     if model_cls is not None:
         _mrope_sections(cfg, model_cls)
@@ -318,6 +355,8 @@ def _special_ids(cfg: PretrainedConfig, kind: str) -> tuple[int, int | None, int
 def vlm_batch(model: torch.nn.Module, with_video: bool, seed: int = 0) -> dict[str, torch.Tensor]:
     """One row ``[5, image, 7, (video), 3, image, 4]`` and its vision inputs (see the module)."""
     g = torch.Generator().manual_seed(seed)
+    if not any(isinstance(getattr(model.model, a, None), torch.nn.Module) for a in TOWER_ATTRIBUTES):
+        raise TinyBuildError("the default config builds no vision tower")
     vision, counts = _first_form(model, "get_image_features", _image_forms(model, 2, g), 2)
     pieces: list[Any] = [5, ("image", counts[0]), 7, 3, ("image", counts[1]), 4]
     if with_video:
