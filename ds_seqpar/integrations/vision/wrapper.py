@@ -71,6 +71,13 @@ class SeqParVisionLM(SeqParCausalLM):
     def __init__(
         self, model: torch.nn.Module, mesh: Any, grad_scale: float = 1.0, loss_chunk_size: int = 1024
     ):
+        outer = unwrap_hf_model(model)
+        if getattr(getattr(outer, "model", None), "language_model", None) is None:  # before the text probe
+            raise UnsupportedModelError(
+                f"{type(outer).__name__} has no base model (model.model) with a language_model; ds_seqpar runs "
+                "VLMs built as model.language_model + model.<vision tower>; train its text path with "
+                "ds_seqpar.SeqParCausalLM"
+            )
         super().__init__(model, mesh, grad_scale=grad_scale, loss_chunk_size=loss_chunk_size)
         hf = self._parts.hf
         base = getattr(hf, "model", None)
@@ -108,8 +115,11 @@ class SeqParVisionLM(SeqParCausalLM):
         seq_len = rows.shape[1]
         vision = {k: self._padded(k, v, seq_len) for k, v in vision.items()}
         doc = ctx.doc_ids
+        text_positions = positions
         attention_mask = None if doc is None or bool((doc >= 0).all()) else (doc >= 0).long()
         if self._mrope:
+            # the processor's all-ones mask: Qwen2.5-Omni / Qwen3-Omni number tokens in 3-D only when given one
+            attention_mask = torch.ones_like(rows) if attention_mask is None else attention_mask
             positions = (
                 None
                 if doc is None or int(doc.max()) == 0
@@ -118,7 +128,9 @@ class SeqParVisionLM(SeqParCausalLM):
         ctx.blocks = self._blocks(vision)  # the attention of every layer applies them (docs/kernels.md)
         packed = doc is not None and int(doc.max()) > 0
         probe = MaskProbe(ctx.blocks, seq_len, self.config.model_type, packed)
-        shard = TokenShard(layout, self.mesh.coords.sp_rank, seq_len, masks_handled=True)
+        shard = TokenShard(
+            layout, self.mesh.coords.sp_rank, seq_len, masks_handled=True, positions=text_positions
+        )
         local = SeqParContext(self.mesh, local_attention=self._local_attention)
         token = ACTIVE_CONTEXT.set(local)
         try:
