@@ -339,3 +339,36 @@ def test_speech_seq2seq_runs_under_torchrun():
     done = run_launcher(cmd, cwd=str(ROOT))
     losses = _launch_losses(done, "examples/speech_seq2seq.py: 2 steps")
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses), losses
+
+
+@pytest.mark.parametrize("pack", [[], ["--one-per-row"]], ids=["packed", "one_per_row"])
+def test_vlm_example_single_process_loss_falls(pack):
+    """examples/vlm.py --single: the plain HF Qwen2-VL on the shipped multimodal rows (the reference of its
+    SP run); main raises unless the loss falls."""
+    losses = load_example("vlm").main(["--single", "--max-steps", "4", *pack])
+    assert len(losses) == 4 and sum(losses[2:]) < sum(losses[:2]), losses
+
+
+def vlm_sp_and_single(steps: int) -> dict[str, tuple[list[float], list[float]]]:
+    """examples/vlm.py's training under SeqParVisionLM on this pool's ranks, and in one process (plain HF), with
+    packed rows and with one record per row."""
+    example = load_example("vlm")
+    out = {}
+    for mode in ([], ["--one-per-row"]):
+        args = example.parse(["--max-steps", str(steps), *mode])
+        out[" ".join(mode) or "packed"] = (example.train(args, sp=True)[0], example.train(args, sp=False)[0])
+    return out
+
+
+def test_vlm_example_under_sp_equals_one_process(dist_pool):
+    """4 AdamW steps of examples/vlm.py on 2 ranks (vision inputs whole on each rank, tokens sharded, gradients
+    summed over the group), packed and one record per row, give the plain model's losses in one process."""
+    for res in dist_pool(2).run(vlm_sp_and_single, 4):
+        for mode, (sp, single) in res.items():
+            for a, b in zip(sp, single, strict=True):
+                assert abs(a - b) <= 1e-5 * abs(b), (mode, sp, single)
+
+
+def test_vlm_example_runs_under_torchrun():
+    cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "examples/vlm.py", "--max-steps", "4"]
+    assert len(_launch_losses(run_launcher(cmd, cwd=str(ROOT)), "examples/vlm.py: 4 steps")) == 4

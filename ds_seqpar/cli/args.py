@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 from ds_seqpar.cli.eval_generate import add_eval_generate_flag, check_eval_generate
 from ds_seqpar.cli.heldout import add_eval_data_flag, check_eval_data
+from ds_seqpar.cli.vlm.cli import check_vlm_data
 from ds_seqpar.config import load_config, with_overrides
 from ds_seqpar.errors import MissingFileError, SeqParConfigError
 from ds_seqpar.tasks.text import PACKINGS
@@ -118,7 +119,8 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data",
         default=None,
-        help="training text: .jsonl, .txt or a datasets save_to_disk directory (default: passkey task)",
+        help="training text: .jsonl, .txt or a datasets save_to_disk directory (default: passkey task); for a "
+        "vision-language model, a .jsonl of records with images / videos (docs/multimodal_data.md)",
     )
     p.add_argument("--text-field", default="text", help="field holding the text in --data records")
     add_eval_data_flag(p)
@@ -243,6 +245,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     training = args.max_seq_len_search is None  # the search reads only config.json
     _check_model_dir(args)
     config = model_config(args)
+    args.vlm_records = check_vlm_data(args, config, model_path(args)) if training else None  # cli/vlm
     tokenizer = load_tokenizer(args) if training or args.objective == "mlm" else None
     _check_objective(args, config, tokenizer, parser)
     if training and args.model is not None and not args.random_init:
@@ -253,7 +256,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _check_train_batch(ds_config, args.ds_config, world // args.settings.size)
     _check_monitor(ds_config, args.ds_config, args.output_dir)
     args.section, args.ds_config_dict, args.tokenizer = section, ds_config, tokenizer
-    args.data_tokens = _data_tokens(args, tokenizer) if training and args.data is not None else None
+    text = training and args.data is not None and args.vlm_records is None
+    args.data_tokens = _data_tokens(args, tokenizer) if text else None
     args.eval_tokens = check_eval_data(args, tokenizer, parser) if training else None
     return args
 

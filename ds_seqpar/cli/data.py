@@ -17,9 +17,16 @@ from ds_seqpar.cli.args import MLM_PROBABILITY, PASSKEY_PREFIX, PASSKEY_QUESTION
 __all__ = ["batches", "datasets"]
 
 
-def datasets(args: argparse.Namespace, tokenizer: Any, num_train: int) -> tuple[list[Any], Any]:
+def datasets(
+    args: argparse.Namespace, tokenizer: Any, num_train: int, model: Any = None
+) -> tuple[list[Any], Any]:
     """One training dataset per curriculum phase, and the held-out set (at ``--seq-len``); masked per
-    sample for ``--objective mlm`` (the held-out set with another seed)."""
+    sample for ``--objective mlm`` (the held-out set with another seed); multimodal records (read by
+    ``parse_args``) packed with ``model``'s positions (cli/vlm)."""
+    if getattr(args, "vlm_records", None) is not None:
+        from ds_seqpar.cli.vlm.cli import vlm_datasets
+
+        return vlm_datasets(args, model, tokenizer.pad_token_id or 0)
     train, held = _token_datasets(args, tokenizer, num_train)
     if args.objective != "mlm":
         return train, held

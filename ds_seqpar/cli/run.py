@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ds_seqpar.checkpoint_resume import CLIENT_KEY, SampleHistory
-from ds_seqpar.cli.args import DEFAULT_TASK_LR, PASSKEYS, model_config, parse_args
+from ds_seqpar.cli.args import DEFAULT_TASK_LR, PASSKEYS, model_config, model_path, parse_args
 from ds_seqpar.cli.data import batches, datasets
 from ds_seqpar.cli.eval_generate import generate_accuracy
 from ds_seqpar.cli.evaluation import evaluate, evaluate_heldout
@@ -37,6 +37,8 @@ from ds_seqpar.cli.health import StepHealth
 from ds_seqpar.cli.heldout import heldout_dataset
 from ds_seqpar.cli.log import RunLog, memory_metrics, sparse_metrics
 from ds_seqpar.cli.run_dir import check_output_dir, training_flags
+from ds_seqpar.cli.vlm.cli import copy_processor_files
+from ds_seqpar.cli.vlm.loaders import VlmEvenShares, vlm_dataloader
 
 __all__ = ["main", "max_seq_len_search", "memory_report"]
 
@@ -88,6 +90,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         _save(run, step)
     if not args.no_export:
         _export(run.engine, run.model, run.tokenizer, Path(args.output_dir) / "hf_model", run.rank)
+        if args.vlm_records is not None and run.rank == 0:  # the image / video processors' configs too
+            copy_processor_files(str(model_path(args)), str(Path(args.output_dir) / "hf_model"))
     run.watch.close()
     log.close()
     return _summary(args, run, step, first, last)
@@ -129,7 +133,7 @@ def _start(args: argparse.Namespace) -> _Run:
     ds_config, lr = _ds_config(args)
     dp = dist.get_world_size() // args.section.size
     micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
-    train_sets, eval_set = datasets(args, tokenizer, num_train=args.max_steps * micro * dp)
+    train_sets, eval_set = datasets(args, tokenizer, num_train=args.max_steps * micro * dp, model=model)
     optimizer = None
     if "optimizer" not in ds_config:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr or 1e-4, weight_decay=0.0)
@@ -141,12 +145,18 @@ def _start(args: argparse.Namespace) -> _Run:
     mesh = engine.seqpar_mesh
 
     def loader_for(dataset: Any, shuffle: bool, drop_last: bool = True) -> Any:
+        if args.vlm_records is not None:  # multimodal rows: cli/vlm/loaders.py
+            return vlm_dataloader(dataset, mesh, micro, shuffle=shuffle, seed=args.seed, pad_token_id=pad)
         return ds_seqpar.seqpar_dataloader(
             dataset, mesh, micro, shuffle=shuffle, seed=args.seed, pad_token_id=pad, drop_last=drop_last,
             objective=engine.module.objective,
         )  # fmt: skip
 
-    eval_loader = _eval_loader(eval_set, mesh, micro, pad, engine.module.objective)
+    eval_loader = (
+        VlmEvenShares(eval_set, mesh, micro, pad)  # multimodal rows: cli/vlm/loaders.py
+        if args.vlm_records is not None
+        else _eval_loader(eval_set, mesh, micro, pad, engine.module.objective)
+    )
     watch = StepWatch()  # a failed, dead or hung rank is named with its step instead of a bare comm error
     flags = {**training_flags(args, ds_config.get("scheduler")), "lr": _configured_lr(ds_config, lr)}
     run = _Run(engine, mesh, model, tokenizer, train_sets, eval_loader, loader_for, watch,
@@ -454,10 +464,12 @@ def max_seq_len_search(args: argparse.Namespace, world: int) -> int:
 
 def _build_model(args: argparse.Namespace) -> torch.nn.Module:
     """The model of --model (random weights for the embedded task or --random-init), in float32."""
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForMaskedLM
 
     config = model_config(args)
     auto = AutoModelForMaskedLM if args.objective == "mlm" else AutoModelForCausalLM
+    if args.vlm_records is not None:  # a vision-language model with multimodal --data (cli/vlm)
+        auto = AutoModelForImageTextToText
     if args.model is None or args.random_init:
         torch.manual_seed(args.seed)
         return auto.from_config(config, dtype=torch.float32)
@@ -473,6 +485,7 @@ def _export(engine: Any, model: torch.nn.Module, tokenizer: Any, out_dir: Path, 
     else:
         state = engine.module.state_dict()
     if rank == 0:
-        state = {k.removeprefix("model."): v for k, v in state.items()}
+        # the HF model's entries (a wrapper may hold more references to its modules: SeqParVisionLM's _base)
+        state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
         model.save_pretrained(out_dir, state_dict=state)
         tokenizer.save_pretrained(out_dir)

@@ -102,6 +102,11 @@ class SeqParVisionLM(SeqParCausalLM):
         self._refuse_masks(extra)
         return self._token_loss(self._hidden(input_ids, position_ids, doc_ids, **vision), targets)
 
+    def _evaluate(self, input_ids, targets, position_ids, doc_ids, extra):  # type: ignore[override]
+        vision = self._vision_inputs(extra)  # evaluate(): loss and accuracy with the vision inputs, as _loss
+        self._refuse_masks(extra)
+        return self._token_accuracy(self._hidden(input_ids, position_ids, doc_ids, **vision), targets)
+
     def _run_decoder(self, input_ids, position_ids, ctx, **vision):  # type: ignore[override]
         if not vision:
             return super()._run_decoder(input_ids, position_ids, ctx)

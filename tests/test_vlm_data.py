@@ -1,0 +1,202 @@
+"""The multimodal reader (ds_seqpar/cli/vlm): records, labels, packing with per-document mRoPE positions, the
+collate, and its refusals; single process, on the shipped tiny Qwen2-VL and assets/vlm_data."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForImageTextToText
+
+from ds_seqpar.cli.vlm import (
+    PackedVlmDataset,
+    collate_vlm,
+    family_of,
+    hf_inputs,
+    position_function,
+    read_vlm_data,
+    reference_loss,
+    uses_vlm_reader,
+)
+from ds_seqpar.errors import MissingFileError, SeqParConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = str(ROOT / "assets" / "tiny-qwen2-vl")
+DATA = ROOT / "assets" / "vlm_data"
+
+
+@pytest.fixture(scope="module")
+def config():
+    return AutoConfig.from_pretrained(MODEL)
+
+
+@pytest.fixture(scope="module")
+def records(config):
+    return read_vlm_data(str(DATA / "train.jsonl"), MODEL, config, 256)
+
+
+@pytest.fixture(scope="module")
+def model(config):
+    torch.manual_seed(0)
+    return AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+
+
+def test_labels_mask_visual_tokens_prompt_and_first_token(config, records):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    lines = [json.loads(line) for line in (DATA / "train.jsonl").read_text().splitlines()]
+    assert len(records) == len(lines) == 18
+    visual = [
+        config.image_token_id,
+        config.video_token_id,
+        config.vision_start_token_id,
+        config.vision_end_token_id,
+    ]
+    for rec, line in zip(records, lines):
+        ids, labels = rec.input_ids, rec.labels
+        assert labels[0] == -100 and ids[-1] == tok.eos_token_id == labels[-1]
+        assert (labels[torch.isin(ids, torch.tensor(visual))] == -100).all()
+        # what is labelled is exactly the text (all of it but a first token) and EOS
+        text_ids = tok(line["text"], add_special_tokens=False)["input_ids"]
+        kept = ids[labels != -100].tolist()
+        assert kept == (
+            [*text_ids, tok.eos_token_id] if line.get("prompt") else [*text_ids[1:], tok.eos_token_id]
+        )
+        # one image token per merged patch, typed 1 in mm_token_type_ids
+        images = rec.vision.get("image_grid_thw", torch.zeros(0, 3, dtype=torch.long))
+        n_image = int((ids == config.image_token_id).sum())
+        assert n_image == int(images.prod(-1).sum()) // 4 == int((rec.mm_token_type_ids == 1).sum())
+        assert len(images) == len(line.get("images", []))
+
+
+def test_packing_positions_are_each_records_own_rope_index(config, records, model):
+    data = PackedVlmDataset(records, 256, position_function(family_of(config), model), pad_token_id=7)
+    assert [i for row in data.rows for i in row] == list(range(len(records)))
+    for r, row in enumerate(data.rows):
+        sample, start = data[r], 0
+        for d, i in enumerate(row):
+            rec, end = records[i], start + len(records[i])
+            grids = {k: v for k, v in rec.vision.items() if k.endswith("grid_thw")}
+            own, _ = model.model.get_rope_index(
+                rec.input_ids[None], mm_token_type_ids=rec.mm_token_type_ids[None], **grids
+            )
+            assert torch.equal(sample["position_ids"][:, start:end], own[:, 0])
+            assert (sample["doc_ids"][start:end] == d).all()
+            assert torch.equal(sample["input_ids"][start:end], rec.input_ids)
+            start = end
+        assert (sample["doc_ids"][start:] == -1).all() and (sample["labels"][start:] == -100).all()
+        assert (sample["input_ids"][start:] == 7).all()
+
+
+def test_packed_batch_through_hf_equals_each_record_alone(config, records, model):
+    """The collated batch (vision inputs concatenated in row order, mRoPE per document) through the plain HF
+    forward, with its packed-sequence mask from restarting text positions, gives the records' loss alone."""
+    data = PackedVlmDataset(records, 256, position_function(family_of(config), model))
+    batch = collate_vlm([data[0], data[1]])
+    assert batch["position_ids"].shape == (3, 2, 256) and batch["input_ids"].shape == (2, 256)
+    assert torch.equal(
+        batch["image_grid_thw"], torch.cat([r.vision["image_grid_thw"] for r in records if r.vision])
+    )
+    with torch.no_grad():
+        packed = model(**hf_inputs(batch)).loss
+        alone = reference_loss(model, [records[i] for row in data.rows[:2] for i in row])
+    assert abs(packed.item() - alone.item()) <= 1e-5 * abs(alone.item()), (packed.item(), alone.item())
+
+
+def test_uses_vlm_reader_only_for_a_vlm_and_records_with_vision(config, tmp_path):
+    text = tmp_path / "text.jsonl"
+    text.write_text('{"text": "a red square ."}\n')
+    assert uses_vlm_reader(config, str(DATA / "train.jsonl"))
+    assert not uses_vlm_reader(config, str(text))
+    assert not uses_vlm_reader(
+        AutoConfig.from_pretrained(ROOT / "assets" / "tiny-llama"), str(DATA / "train.jsonl")
+    )
+
+
+def _write(tmp_path: Path, *records: dict) -> str:
+    shutil.copytree(DATA / "img", tmp_path / "img", dirs_exist_ok=True)
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+IMG = "img/red_square.png"
+REFUSALS = [
+    ({"text": "<image> a .", "images": ["img/nope.png"]}, MissingFileError, "'img/nope.png' does not exist"),
+    ({"text": "<image> <image> a .", "images": [IMG]}, SeqParConfigError, "2 <image> placeholders"),
+    ({"text": "a red square .", "images": [IMG]}, SeqParConfigError, "0 <image> placeholders"),
+    ({"text": "<image> a .", "images": [IMG], "audio": ["x.wav"]}, SeqParConfigError, "fields ['audio']"),
+    (
+        {"text": "<|image_pad|> a .", "images": []},
+        SeqParConfigError,
+        "the family's own token '<|image_pad|>'",
+    ),
+    ({"prompt": 3, "text": "a ."}, SeqParConfigError, "field 'prompt' must be a string"),
+    ({"text": "<video> a .", "videos": [[]]}, SeqParConfigError, "has no frame"),
+    (
+        {"text": "<image> " + "red " * 300, "images": [IMG]},
+        SeqParConfigError,
+        "do not fit a row of --seq-len 256",
+    ),
+]
+
+
+@pytest.mark.parametrize("record,error,message", REFUSALS)
+def test_refusals_name_the_record_and_the_fix(config, tmp_path, record, error, message):
+    path = _write(tmp_path, {"text": "a red square ."}, record)
+    with pytest.raises(error, match=None) as info:
+        read_vlm_data(path, MODEL, config, 256)
+    assert message in str(info.value) and f"{path}:2" in str(info.value), str(info.value)
+
+
+def test_refusals_of_the_file_and_the_family(config, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a ."\n')
+    with pytest.raises(SeqParConfigError, match=r"bad.jsonl:1 is not valid JSON"):
+        read_vlm_data(str(bad), MODEL, config, 256)
+    with pytest.raises(MissingFileError, match="does not exist"):
+        read_vlm_data(str(tmp_path / "none.jsonl"), MODEL, config, 256)
+    llama = AutoConfig.from_pretrained(ROOT / "assets" / "tiny-llama")
+    with pytest.raises(
+        SeqParConfigError, match=r"model_type 'llama' has no multimodal data rule \(supported: qwen2_vl\)"
+    ):
+        read_vlm_data(str(DATA / "train.jsonl"), MODEL, llama, 256)
+
+
+def test_videos_without_torchvision_are_refused_by_name(config):
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():
+        records = read_vlm_data(str(DATA / "videos.jsonl"), MODEL, config, 256)
+        assert all(r.vision["video_grid_thw"].tolist() == [[2, 4, 4]] for r in records)
+        return
+    with pytest.raises(
+        SeqParConfigError, match=r"videos.jsonl:1: a record with videos.*pip install torchvision"
+    ):
+        read_vlm_data(str(DATA / "videos.jsonl"), MODEL, config, 256)
+
+
+TRAIN = ["--data", str(DATA / "train.jsonl"), "--seq-len", "256", "--max-steps", "2"]
+VLM = ["--model", MODEL, "--random-init"]
+PARSE_REFUSALS = [
+    ([*TRAIN], "has no vision_config: the text reader would drop the images"),
+    ([*VLM, *TRAIN, "--packing", "balanced"], "--packing 'balanced' with multimodal --data"),
+    ([*VLM, *TRAIN, "--text-field", "caption"], "--text-field 'caption' with multimodal --data"),
+    ([*VLM, *TRAIN, "--seq-len", "32"], "do not fit a row of --seq-len 32"),
+    ([*VLM, *TRAIN, "--objective", "mlm"], "--objective 'mlm' with multimodal --data"),
+]
+
+
+@pytest.mark.parametrize("argv,message", PARSE_REFUSALS)
+def test_train_py_refuses_in_parse_args(argv, message):
+    """train.py --data with images: what the multimodal reader cannot honour fails in parse_args (no process
+    group exists yet), the text reader never sees such records."""
+    from ds_seqpar.cli import parse_args
+
+    with pytest.raises(SeqParConfigError) as info:
+        parse_args(argv)
+    assert message in str(info.value), str(info.value)
