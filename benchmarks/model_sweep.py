@@ -17,6 +17,7 @@ Usage::
 
     python -m benchmarks.model_sweep                      # all types -> docs/models.md + results JSON
     python -m benchmarks.model_sweep llama gemma2 --no-write
+    python -m benchmarks.model_sweep --multimodal [TYPE ...]   # vision-language types: benchmarks/vlm_sweep.py
 
 Exit status 1 if any type is a mismatch.
 """
@@ -239,10 +240,19 @@ def write_markdown(rows: list[dict], path: Path, seconds: float) -> None:
     for r in rows:
         detail = r["detail"].replace("|", "\\|")
         lines.append(f"| `{r['type']}` | `{NAMES.get(r['type'], '?')}` | {r['status']} | {detail} |")
-    path.write_text("\n".join(lines) + "\n")
+    from benchmarks.vlm_sweep import SECTION  # the vision-language section (benchmarks/vlm_sweep.py) is kept
+
+    old = path.read_text() if path.exists() else ""
+    tail = ["", SECTION + old.split("\n" + SECTION, 1)[1].rstrip("\n")] if "\n" + SECTION in old else []
+    path.write_text("\n".join(lines + tail) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--multimodal" in argv:
+        from benchmarks.vlm_sweep import main as vlm_main
+
+        return vlm_main([a for a in argv if a != "--multimodal"])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("types", nargs="*", help="model types (default: every causal-LM type)")
     parser.add_argument("--no-write", action="store_true", help="print only; do not write docs/models.md")

@@ -38,7 +38,9 @@ def qwen_tower() -> torch.nn.Module:
 
     vision = dict(depth=4, embed_dim=256, hidden_size=256, num_heads=4, mlp_ratio=4, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
-    text = dict(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4)
+    text = dict(
+        vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4
+    )
     torch.manual_seed(0)
     return Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=text, vision_config=vision)).eval()
 
@@ -119,11 +121,16 @@ def main(argv: list[str] | None = None) -> int:
             {"world": world, "seconds": seconds},
             rows,
             [
-                ("tower", "tower", "s"), ("units", "frames", "d"), ("P", "P", "d"), ("whole", "single_MiB", ".1f"),
-                ("split (busiest rank)", "peak_MiB", ".1f"), ("split / whole", "ratio", ".3f"),
-                ("s whole", "single_seconds", ".2f"), ("s split", "seconds", ".2f"),
+                ("tower", "tower", "s"),
+                ("units", "frames", "d"),
+                ("P", "P", "d"),
+                ("whole", "single_MiB", ".1f"),
+                ("split (busiest rank)", "peak_MiB", ".1f"),
+                ("split / whole", "ratio", ".3f"),
+                ("s whole", "single_seconds", ".2f"),
+                ("s split", "seconds", ".2f"),
                 ("max abs err", "max_abs_err", ".1e"),
-            ],  # fmt: skip
+            ],
         )
         print(table)
     dist.barrier()

@@ -41,6 +41,9 @@ class SeqParContext:
     layers store this rank's K/V into it, or, while ``cache.decoding``, append to and read from it.
     ``approximate``: a callable with ``ds_seqpar.attention``'s signature that every self-attention call runs
     instead of it (APB / Star Attention prefill, docs/inference.md).
+    ``blocks``: None, or the image block id per token of the whole sequence in global order (``[S]`` /
+    ``[B, S]``, negative = text; HF's ``block_sequence_ids``): the causal self-attention calls let a query see
+    the rest of its own block (``ds_seqpar.attention(blocks=...)``, docs/kernels.md "Image blocks").
     """
 
     mesh: SeqParMesh
@@ -71,6 +74,7 @@ class SeqParContext:
         return layer if n == 0 else (layer, n)
 
     approximate: Any = None  # an approximate prefill's attention (integrations/apb_prefill.py), else None
+    blocks: torch.Tensor | None = None  # image block ids [S] / [B, S] of the whole sequence (class docstring)
 
     def record(
         self,

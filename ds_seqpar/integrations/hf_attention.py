@@ -13,7 +13,9 @@ and the ``doc_ids`` of the batch), before any collective. Calls without a ds_seq
 or with an HF KV cache (q_len != k_len) raise a clear error instead of computing something wrong. Under
 ``ds_seqpar.prefill`` (``ctx.cache``) every call also stores this rank's K/V in the sharded cache; during a
 decoding step the call goes to ``decode.decode_attention`` (docs/inference.md). Cross-attention calls
-(encoder-decoders) go to ``ds_seqpar.cross_attention``.
+(encoder-decoders) go to ``ds_seqpar.cross_attention``. Image blocks (``ctx.blocks``, Gemma 3's bidirectional image
+tokens) go to the exact self-attention as ``blocks=``; a decoding step, cross-attention and an approximate prefill
+refuse them by name.
 """
 
 from __future__ import annotations
@@ -72,8 +74,12 @@ NEUTRAL_KEYWORDS = frozenset(
 )
 
 
-def _refuse_keywords(name: str, attention_mask: Any, kwargs: dict[str, Any]) -> None:
-    """Raise (before any collective) on a keyword whose value would change the attention."""
+def _refuse_keywords(
+    name: str, attention_mask: Any, kwargs: dict[str, Any], ctx: SeqParContext, cross: bool = False
+) -> None:
+    """Raise (before any collective) on a keyword whose value would change the attention, and on image
+    blocks (``ctx.blocks``) where they are not honoured."""
+    _refuse_blocks(name, ctx, cross)
     if attention_mask is not None:
         shape = (
             tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
@@ -205,7 +211,7 @@ def seqpar_attention_forward(
         return ALL_ATTENTION_FUNCTIONS[ctx.local_attention](
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **given, **kwargs
         )
-    _refuse_keywords(name, attention_mask, kwargs)
+    _refuse_keywords(name, attention_mask, kwargs, ctx, id(module) in ctx.cross_active)
     if id(module) in ctx.cross_active:
         return _cross_attention_call(module, name, ctx, query, key, value, dropout, scaling,
                                      sliding_window, softcap, s_aux, is_causal), None  # fmt: skip
@@ -239,9 +245,32 @@ def seqpar_attention_forward(
         sinks=_sinks(name, s_aux, query.shape[1]),
         chunk=chunk,
         alibi_slopes=None if alibi_slopes is None else alibi_slopes.to(query.device, torch.float32),
+        blocks=ctx.blocks,  # refused above where not honoured; an approximate prefill takes **kwargs
     )
     ctx.record(module, window, causal, chunk)
     return (out if v_dim is None else out[..., :v_dim]), None
+
+
+def _refuse_blocks(name: str, ctx: SeqParContext, cross: bool) -> None:
+    """``ctx.blocks`` (image blocks) is honoured by the exact self-attention call only: refuse it by name in a
+    decoding step, a cross-attention call and an approximate prefill (APB / Star)."""
+    if ctx.blocks is None or ctx.local_attention is not None:  # a local forward applies HF's own mask
+        return
+    where = (
+        "a decoding step (decode_attention)"
+        if ctx.cache is not None and ctx.cache.decoding
+        else "cross-attention"
+        if cross
+        else "an approximate prefill (APB / Star)"
+        if ctx.approximate is not None
+        else None
+    )
+    if where is not None:
+        raise UnsupportedModelError(
+            f"{name}: image blocks (ctx.blocks, bidirectional image tokens) are not honoured in {where}, only in "
+            "the exact self-attention; set ctx.blocks=None there (decoding: new tokens are text), or use "
+            "ds_seqpar.prefill(mode='exact')"
+        )
 
 
 def _cross_attention_call(

@@ -17,6 +17,9 @@ Rules (True = key visible to the query; ``d = pos_q - pos_k``):
     chunks of c tokens     (i - p) // c == (j - p) // c on row indices i, j, p = the row's leading
                            padding tokens (Llama 4's chunked attention): applied as documents,
                            ``chunk_doc_ids`` splits every document at the chunk borders
+    image blocks (causal)  pos_k <= end_q replaces d >= 0 (the window still bounds d < w): ``end_q`` =
+                           the last position of the query's own image block (Gemma 3's bidirectional
+                           image tokens), ``pos_q`` for text; see ``ops/image_blocks.py``
 
 Because every rule is a function of (pos, doc) pairs, contiguous, zigzag, stripe and any other
 token layout get the right mask from the same code; no layout-specific "shift" tricks.
@@ -89,10 +92,19 @@ def _check_tokens(name: str, pos: torch.Tensor, doc: torch.Tensor | None) -> Non
 
 
 def _check_pair(
-    q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None, k_doc: torch.Tensor | None
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    q_doc: torch.Tensor | None,
+    k_doc: torch.Tensor | None,
+    q_end: torch.Tensor | None = None,
 ) -> None:
     _check_tokens("q", q_pos, q_doc)
     _check_tokens("k", k_pos, k_doc)
+    if q_end is not None and (q_end.shape[-1] != q_pos.shape[-1] or q_end.dim() not in (1, 2)):
+        raise ValueError(
+            f"q_end has shape {tuple(q_end.shape)} but q_pos has {tuple(q_pos.shape)}: give one end "
+            "position per query ([Sq] or [B, Sq])"
+        )
     if (q_doc is None) != (k_doc is None):
         raise ValueError("pass both q_doc and k_doc (packed documents) or neither")
     if q_pos.dim() == 2 and k_pos.dim() == 2 and q_pos.shape[0] != k_pos.shape[0]:
@@ -118,6 +130,7 @@ def token_mask(
     spec: MaskSpec = MaskSpec(),
     q_doc: torch.Tensor | None = None,
     k_doc: torch.Tensor | None = None,
+    q_end: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Bool visibility mask (True = key visible to the query).
 
@@ -125,12 +138,19 @@ def token_mask(
         q_pos, k_pos: global positions, ``[Sq]`` / ``[Sk]`` or per batch row ``[B, Sq]`` / ``[B, Sk]``.
         spec: causal / window rule.
         q_doc, k_doc: document ids with the shapes of the positions (both or neither).
+        q_end: None, or (causal only) the last position each query sees, ``[Sq]`` / ``[B, Sq]`` (>= q_pos;
+            its image block's last position, module legend); ignored when ``spec.causal`` is False.
 
     Returns:
         ``[Sq, Sk]`` if every input is 1-D, else ``[B, Sq, Sk]``.
     """
-    _check_pair(q_pos, k_pos, q_doc, k_doc)
-    mask = _visible(q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2), spec)
+    _check_pair(q_pos, k_pos, q_doc, k_doc, q_end)
+    d = q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)
+    if spec.causal and q_end is not None:
+        mask = k_pos.unsqueeze(-2) <= q_end.unsqueeze(-1)
+        mask = mask if spec.window is None else mask & (d < spec.window)
+    else:
+        mask = _visible(d, spec)
     if q_doc is not None and k_doc is not None:
         same = q_doc.unsqueeze(-1) == k_doc.unsqueeze(-2)
         real = (q_doc >= 0).unsqueeze(-1) & (k_doc >= 0).unsqueeze(-2)
@@ -157,10 +177,12 @@ def quick_block_kind(
     spec: MaskSpec = MaskSpec(),
     q_doc: torch.Tensor | None = None,
     k_doc: torch.Tensor | None = None,
+    q_end: torch.Tensor | None = None,
 ) -> BlockKind | None:
     """The block's kind from min/max tests on positions and documents, or None when only an
-    ``[Sq, Sk]`` mask can tell (no mask is ever built here). Shapes as in :func:`token_mask`."""
-    _check_pair(q_pos, k_pos, q_doc, k_doc)
+    ``[Sq, Sk]`` mask can tell (no mask is ever built here). Shapes as in :func:`token_mask`; with
+    ``q_end`` (image blocks) the causal tests use each query's end position instead of its position."""
+    _check_pair(q_pos, k_pos, q_doc, k_doc, q_end)
     if q_pos.numel() == 0 or k_pos.numel() == 0:
         return BlockKind.EMPTY
     docs_uniform = True
@@ -175,13 +197,16 @@ def quick_block_kind(
     k_lo, k_hi = int(k_pos.min()), int(k_pos.max())
     w = spec.window
     if spec.causal:
-        if k_lo > q_hi or (w is not None and q_lo - k_hi >= w):
+        ends = (
+            q_pos if q_end is None else q_end
+        )  # keys after a query's end are hidden (d >= 0 without blocks)
+        if k_lo > (q_hi if q_end is None else int(q_end.max())) or (w is not None and q_lo - k_hi >= w):
             return BlockKind.EMPTY
         window_never_binds = w is None or q_hi - k_lo < w
         if docs_uniform and window_never_binds:
             if k_hi <= q_lo:
                 return BlockKind.FULL
-            if _is_top_left_causal(q_pos, k_pos):
+            if _is_top_left_causal(ends, k_pos):
                 return BlockKind.CAUSAL
     elif w is None:
         if docs_uniform:
@@ -200,6 +225,7 @@ def classify_block(
     spec: MaskSpec = MaskSpec(),
     q_doc: torch.Tensor | None = None,
     k_doc: torch.Tensor | None = None,
+    q_end: torch.Tensor | None = None,
 ) -> tuple[BlockKind, torch.Tensor | None]:
     """Classify a (query block, key block) pair; build the mask only when it is PARTIAL.
 
@@ -210,10 +236,10 @@ def classify_block(
     Returns:
         ``(kind, mask)``: ``mask`` is the bool ``[Sq, Sk]`` / ``[B, Sq, Sk]`` mask for PARTIAL, else None.
     """
-    kind = quick_block_kind(q_pos, k_pos, spec, q_doc, k_doc)
+    kind = quick_block_kind(q_pos, k_pos, spec, q_doc, k_doc, q_end)
     if kind is not None:
         return kind, None
-    mask = token_mask(q_pos, k_pos, spec, q_doc, k_doc)
+    mask = token_mask(q_pos, k_pos, spec, q_doc, k_doc, q_end)
     if not bool(mask.any()):
         return BlockKind.EMPTY, None
     if bool(mask.all()):

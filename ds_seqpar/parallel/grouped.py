@@ -32,20 +32,26 @@ def grouped_plan(
     doc_ids: torch.Tensor,
     work: WorkCounter | None,
     softcap: float | None,
+    reach: torch.Tensor | None = None,
 ) -> RingPlan:
     """The ring plan of this rank's group: a ring of its p SP ranks over the group's sub-row, or a ring of
-    one when no document of the group is cut across its ranks."""
+    one when no document of the group is cut across its ranks. ``reach``: image blocks (``RingPlan.reach``) in
+    global order, taken to the sub-row like the documents (a block lies inside one document)."""
     group, member = divmod(mesh.coords.sp_rank, layout.degree)
     part = layout.parts[group]
     docs = layout.group_doc_ids(doc_ids, group)
+    reach = None if reach is None else layout.group_doc_ids(reach, group)
     overlap, kernel = mesh.settings.ring.overlap, mesh.settings.kernel
     if not part.needs_exchange:
         alone = RingSchedule(RingComm(None, [mesh.coords.rank], 0, mesh.comm_stats), overlap=overlap)
         local = part.local_doc_ids(docs, member)
-        return RingPlan(alone, ContiguousLayout(1), mask, local, kernel, work, softcap=softcap)
+        local_reach = None if reach is None else part.local_doc_ids(reach, member)
+        return RingPlan(
+            alone, ContiguousLayout(1), mask, local, kernel, work, softcap=softcap, reach=local_reach
+        )
     members = mesh.members["sp"][group * layout.degree : (group + 1) * layout.degree]
     ring = RingSchedule(RingComm(None, members, member, mesh.comm_stats), overlap=overlap)
-    return RingPlan(ring, part, mask, docs, kernel, work, softcap=softcap)
+    return RingPlan(ring, part, mask, docs, kernel, work, softcap=softcap, reach=reach)
 
 
 def grouped_attention(

@@ -37,6 +37,7 @@ from ds_seqpar.ops.sparse.kernels import resolve_sparse_kernel
 from ds_seqpar.parallel.activation import sparse_layer_active
 from ds_seqpar.parallel.agree import check_same_inputs
 from ds_seqpar.parallel.grouped import grouped_attention, grouped_plan
+from ds_seqpar.parallel.image_blocks import image_block_reach
 from ds_seqpar.parallel.ring import OutputDelta, RingPlan, WorkCounter, check_qkv, check_sinks, ring_attention
 from ds_seqpar.parallel.sparse_ring import sparse_attention
 from ds_seqpar.parallel.team import team_attention
@@ -75,6 +76,7 @@ AGREED = (
     "sinks",
     "doc_ids",
     "alibi_slopes",
+    "blocks",
 )  # what every SP rank must pass alike, with causal and window
 SAME_SHARDS = (
     "every SP rank must pass the same B, n, H, H_kv, D and dtype: shard each batch with ds_seqpar's layout "
@@ -174,6 +176,7 @@ def attention(
     sinks: torch.Tensor | None = None,
     chunk: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    blocks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over the whole sequence that the SP group shares; the configured algorithm.
 
@@ -203,6 +206,7 @@ def attention(
         alibi_slopes: None, or ``[H]`` ALiBi slopes, one per query head (BLOOM, MPT): score (i, j) of head h
             gains ``alibi_slopes[h] · (j - i)`` in GLOBAL positions (a constant: no gradient). Each Ulysses rank
             applies the slopes of the heads it holds; nothing more is communicated.
+        blocks: None, or bidirectional image block ids ``[S]`` / ``[B, S]`` (Gemma 3): ``parallel/image_blocks.py``.
 
     Returns:
         ``out [B, n, H, D]`` in q.dtype; differentiable in q, k, v (and sinks). Exact for every
@@ -212,13 +216,13 @@ def attention(
     settings = mesh.settings
     layout = settings.input_layout().for_batch(doc_ids)  # ring.layout='documents': the batch's placement
     seq_len = _check(q, k, v, mesh, layout, positions, doc_ids, sinks, alibi_slopes)
+    reach = image_block_reach(blocks, causal, chunk, seq_len, q, doc_ids, settings.attention, layout)
     softcap = check_softcap(softcap)
-    resolve_kernel(
-        settings.kernel, q.device, q.dtype, softcap, alibi_slopes is not None
-    )  # an unavailable kernel fails here, not mid-collective
+    # an unavailable kernel fails here, not mid-collective
+    resolve_kernel(settings.kernel, q.device, q.dtype, softcap, alibi_slopes is not None)
     flags = tuple(-1 if x is None else int(x) for x in (causal, window, chunk))
     agree = functools.partial(check_same_inputs, mesh, "ds_seqpar.attention", AGREED,
-                              (q, k, v, sinks, doc_ids, alibi_slopes), flags, SAME_SHARDS, AGREED_FLAGS)  # fmt: skip
+                              (q, k, v, sinks, doc_ids, alibi_slopes, blocks), flags, SAME_SHARDS, AGREED_FLAGS)  # fmt: skip
     doc_ids = _chunked(doc_ids, chunk, seq_len, q.device, settings.attention)  # the mask's documents
     if settings.attention == "sparse_ring" and causal and sparse_layer_active(settings.sparse, layer, step):
         resolve_sparse_kernel(settings.sparse.kernel, q.device, q.dtype)  # fails here, not mid-collective
@@ -228,12 +232,10 @@ def attention(
                                 softmax_scale=softmax_scale, **mask)  # fmt: skip
     mask = MaskSpec(causal=causal, window=window)
     if layout.group_degree is not None:  # dynamic_degree: this batch runs in groups over their own documents
-        plan = dataclasses.replace(
-            grouped_plan(mesh, layout, mask, doc_ids, work, softcap), alibi=alibi_slopes
-        )
+        plan = grouped_plan(mesh, layout, mask, doc_ids, work, softcap, reach)
         agree()
-        return grouped_attention(q, k, v, plan, softmax_scale, sinks)
-    plan = _ring_plan(mesh, layout, mask, doc_ids, work, softcap)
+        return grouped_attention(q, k, v, dataclasses.replace(plan, alibi=alibi_slopes), softmax_scale, sinks)
+    plan = _ring_plan(mesh, layout, mask, doc_ids, work, softcap, reach)
     agree()
     return _ulysses_over_ring(q, k, v, mesh, plan, softmax_scale, sinks, alibi_slopes)
 
@@ -272,6 +274,7 @@ def _ring_plan(
     doc_ids: torch.Tensor | None,
     work: WorkCounter | None,
     softcap: float | None,
+    reach: torch.Tensor | None = None,
 ) -> RingPlan:
     """The ring engine's plan under the mesh's schedule: its K/V and query layouts over the ring layout.
     A document placement that keeps every document on one ring rank needs no exchange: each rank then
@@ -282,14 +285,17 @@ def _ring_plan(
         # causal order and window distances are the global ones
         local_docs = layout.ring.local_doc_ids(doc_ids, mesh.coords.ring_rank)
         alone = RingSchedule(RingComm(None, [mesh.coords.rank], 0, mesh.comm_stats))
+        local_reach = None if reach is None else layout.ring.local_doc_ids(reach, mesh.coords.ring_rank)
         return RingPlan(
-            alone, ContiguousLayout(1), mask, local_docs, mesh.settings.kernel, work, softcap=softcap
-        )
+            alone, ContiguousLayout(1), mask, local_docs, mesh.settings.kernel, work, softcap=softcap,
+            reach=local_reach,
+        )  # fmt: skip
     settings, schedule = mesh.settings, mesh.schedule()
     kv_layout, query_layout = settings.schedule.layouts(schedule, layout.ring)
     return RingPlan(
-        schedule, kv_layout, mask, doc_ids, settings.kernel, work, softcap=softcap, query_layout=query_layout
-    )
+        schedule, kv_layout, mask, doc_ids, settings.kernel, work, softcap=softcap, query_layout=query_layout,
+        reach=reach,
+    )  # fmt: skip
 
 
 def _ulysses_over_ring(

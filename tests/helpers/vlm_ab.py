@@ -16,7 +16,7 @@ from tests.helpers.hf_models import tiny_model
 from tests.helpers.vlm_models import tiny_vlm, token_ids, vlm_batch
 
 TEXT_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
-TOKEN_KEYS = ("mm_token_type_ids",)  # per-token vision inputs: packed along the row
+TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")  # per-token vision inputs: packed along the row
 
 
 def part_of(name: str) -> str:
@@ -127,15 +127,18 @@ def vlm_sp_vs_reference(
     }
 
 
-def vlm_zero3_vs_reference(kind: str, spec: list[list], steps: int = 2, lr: float = 0.05) -> dict:
-    """``steps`` SGD steps with ds_seqpar.initialize under ZeRO-3 (fp32) and in-process without SP; the first
-    step's gathered gradient errors per part and every step's loss error."""
+def vlm_zero3_vs_reference(
+    kind: str, spec: list[list], u: int = 2, packed: bool = False, steps: int = 2, lr: float = 0.05
+) -> dict:
+    """``steps`` SGD steps with ds_seqpar.initialize under ZeRO-3 (fp32, Ulysses degree ``u`` over the world,
+    zigzag) and in-process without SP; the first step's gathered gradient errors per part and every step's loss
+    error. ``packed``: every step's batch is the documents of ``spec`` packed in one row."""
     import deepspeed
 
     ref = tiny_vlm(kind)
     model = copy.deepcopy(ref)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
-    config = ab_ds_config(dist.get_world_size(), 2 if dist.get_world_size() % 2 == 0 else 1, 3)
+    config = ab_ds_config(dist.get_world_size(), u, 3)
     engine, _, _, _ = ds_seqpar.initialize(
         model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=lr)
     )
@@ -143,9 +146,13 @@ def vlm_zero3_vs_reference(kind: str, spec: list[list], steps: int = 2, lr: floa
     names = [n for n, _ in ref.named_parameters()]
     losses, worst = [], {"language": 0.0, "projector": 0.0, "vision": 0.0}
     for step in range(steps):
-        batch = vlm_batch(ref, kind, spec, seed=step)
+        batch, docs = (
+            packed_batch(ref, kind, spec, seed=step)
+            if packed
+            else (vlm_batch(ref, kind, spec, seed=step),) * 2
+        )
         ref_opt.zero_grad()
-        ref_loss = ref(**batch).loss
+        ref_loss = reference_loss(ref, docs if packed else [batch])
         ref_loss.backward()
         loss = engine(**shard_batch(batch, mesh, whole=engine.module.whole_inputs))
         engine.backward(loss)
@@ -210,7 +217,10 @@ def _message(fn) -> str:
 
 def vlm_refusals() -> dict[str, str]:
     """The errors of inputs and models SeqParVisionLM refuses (every rank raises the same, no collective hangs)."""
+    from transformers.masking_utils import blockwise_overlay
+
     from ds_seqpar.integrations.vision.language import TokenShard, _local_inputs
+    from ds_seqpar.integrations.vision.masks import MaskProbe, block_ids
     from ds_seqpar.integrations.vision.towers import TOWER_RULES
 
     mesh = sp_mesh(2, "zigzag")
@@ -222,8 +232,11 @@ def vlm_refusals() -> dict[str, str]:
     layout = input_layout(mesh)
     frames = TOWER_RULES["frames"].split
     return {
-        "token_type_ids": _message(
-            lambda: sp(**shard, pixel_values=batch["pixel_values"], token_type_ids=blocks)
+        "token_type_ids": _message(lambda: block_ids("paligemma", {"token_type_ids": blocks})),
+        "probe": _message(
+            lambda: MaskProbe(None, 16, "gemma3")(
+                1, 16, 16, mask_function=blockwise_overlay(blocks[:, :16] - 1)
+            )
         ),
         "unknown": _message(lambda: sp(**shard, pixel_values=batch["pixel_values"], pixel_mask=blocks)),
         "language_keyword": _message(
@@ -243,3 +256,38 @@ def vlm_refusals() -> dict[str, str]:
             )
         ),
     }
+
+
+def vlm_variant_vs_reference(kind: str, mode: str) -> float:
+    """The worst gradient error (fp64, U2 x R2) of a VLM trained with HF gradient checkpointing (``"gc"``), as a
+    PEFT LoRA model (``"lora"``) or with ``sequence_parallel.memory.activation_checkpointing`` (``"memory"``)."""
+    from tests.helpers.meshes import mesh_for
+
+    memory = {"activation_checkpointing": True} if mode == "memory" else None
+    mesh = mesh_for(
+        {"size": dist.get_world_size(), "ulysses_degree": 2} | ({"memory": memory} if memory else {})
+    )
+    ref = tiny_vlm(kind).double()
+    if mode == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        ref = get_peft_model(ref, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():
+            for name, param in ref.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(std=0.1)
+    model = copy.deepcopy(ref)
+    if mode == "gc":
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = _cast(vlm_batch(tiny_vlm(kind), kind, [[5, "image", 7, "image", 3, "image", 4]]), torch.float64)
+    ref(**batch).loss.backward()
+    sp = SeqParVisionLM(model, mesh)
+    sp(**shard_batch(batch, mesh, whole=sp.whole_inputs)).backward()
+    worst = 0.0
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters(), strict=True):
+        if p_ref.grad is not None:
+            grad = p.grad.clone()
+            dist.all_reduce(grad, group=mesh.group("sp"))
+            worst = max(worst, grad_err(name, grad, p_ref.grad))
+    return worst

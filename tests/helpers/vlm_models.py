@@ -125,7 +125,18 @@ def _configs() -> dict[str, tuple]:
                 image_token_index=150,
             ),
         ),
-    }
+    } | {"gemma3_window": _gemma3_window()}
+
+
+def _gemma3_window() -> tuple:
+    """Gemma 3 with a sliding window of 6 tokens on its first layer (an image block of 4 + its border tokens is
+    cut by the window) and full attention on the second."""
+    config_cls, model_cls, kwargs = tf.Gemma3Config, tf.Gemma3ForConditionalGeneration, {}
+    text = dict(TEXT, model_type="gemma3_text", sliding_window=6, query_pre_attn_scalar=16,
+                layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    kwargs = dict(text_config=text, vision_config=dict(SIGLIP, model_type="siglip_vision_model"),
+                  mm_tokens_per_image=4, boi_token_index=152, eoi_token_index=153, image_token_index=150)  # fmt: skip
+    return config_cls, model_cls, kwargs
 
 
 VLM_KINDS = tuple(_configs())
@@ -237,6 +248,8 @@ def vlm_batch(model: torch.nn.Module, kind: str, spec: list[list], seed: int = 0
         batch["labels"] = batch["labels"].masked_fill((ids == start) | (ids == end), -100)
     if kind.startswith("qwen"):
         batch["mm_token_type_ids"] = torch.tensor(types)
+    if kind.startswith("gemma3"):  # image tokens attend to each other bidirectionally (an image block each)
+        batch["token_type_ids"] = (torch.tensor(types) == 1).long()
     if kind == "llava_onevision" and n_img:
         vision["batch_num_images"] = per_row
     return batch | vision

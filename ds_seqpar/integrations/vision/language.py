@@ -28,12 +28,14 @@ __all__ = ["LANGUAGE_INPUTS", "TokenShard", "register_language_input", "sharded_
 class TokenShard:
     """This rank's tokens of rows ``[B, S]``: ``layout.shard(x, rank, dim)`` keeps them; ``masks_handled``: the
     wrapper turned every input that shapes the attention mask into the context (a mask the VLM builds may
-    then be dropped)."""
+    then be dropped); ``positions``: the rows' text positions ``[B, S]``, given to a language model that the VLM
+    calls without position ids (it would number this rank's tokens from 0)."""
 
     layout: UspLayout
     rank: int
     seq_len: int
     masks_handled: bool
+    positions: torch.Tensor | None = None
 
     def keep(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         if x.shape[dim] != self.seq_len:
@@ -106,6 +108,21 @@ for _name in ("use_cache", "cache", "past_key_values", "return_dict", "output_hi
     register_language_input(_name, _dropped)
 
 
+def _router_logits(name: str, value: Any, kwargs: dict[str, Any], shard: TokenShard) -> Any:
+    """Dropped when False (the VLM adds no load-balancing loss; the SP loss reads only the hidden states); True
+    asks for the MoE load-balancing loss, which the SP loss does not add."""
+    if value:
+        raise UnsupportedModelError(
+            f"the VLM passed {name}=True to its language model: the MoE load-balancing loss it adds to the "
+            "model's loss is not computed by ds_seqpar's sequence-parallel loss; set output_router_logits=False "
+            "in the model's config and its text_config"
+        )
+    return None
+
+
+register_language_input("output_router_logits", _router_logits)
+
+
 def _local_inputs(kwargs: dict[str, Any], shard: TokenShard) -> dict[str, Any]:
     unknown = sorted(k for k, v in kwargs.items() if k not in LANGUAGE_INPUTS and v is not None)
     if unknown:
@@ -113,8 +130,11 @@ def _local_inputs(kwargs: dict[str, Any], shard: TokenShard) -> dict[str, Any]:
             f"the VLM passed {unknown} to its language model, which ds_seqpar does not know how to cut to this "
             "rank's tokens; register a rule (ds_seqpar.integrations.vision.language.register_language_input)"
         )
-    local = {k: LANGUAGE_INPUTS[k](k, v, kwargs, shard) for k, v in kwargs.items()}
-    return {k: v for k, v in local.items() if v is not None}
+    local = {k: LANGUAGE_INPUTS[k](k, v, kwargs, shard) for k, v in kwargs.items() if k in LANGUAGE_INPUTS}
+    local = {k: v for k, v in local.items() if v is not None}
+    if "position_ids" not in local and shard.positions is not None:
+        local["position_ids"] = shard.keep(shard.positions, 1)
+    return local
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from ds_seqpar.integrations.causal_lm import SeqParCausalLM
 from ds_seqpar.integrations.context import ACTIVE_CONTEXT, SeqParContext
 from ds_seqpar.integrations.hf_model import UnsupportedModelError, unwrap_hf_model
 from ds_seqpar.integrations.vision.language import TokenShard, sharded_language_model
+from ds_seqpar.integrations.vision.masks import MASK_INPUTS, MaskProbe, block_ids, probe_masks
 from ds_seqpar.integrations.vision.positions import packed_rope_positions
 from ds_seqpar.integrations.vision.split_tower import split_towers, vision_towers
 from ds_seqpar.settings import input_layout
@@ -44,9 +45,7 @@ OWN_KEYWORDS = frozenset(
      "past_key_values", "cache_position", "logits_to_keep", "return_dict", "mm_encoder_outputs", "kwargs"}
 )  # fmt: skip
 # Per-token vision inputs ``[B, S0]`` (S0: the rows before the layout's padding); padded with 0 (= text).
-TOKEN_INPUTS = ("mm_token_type_ids",)
-# Per-token inputs that shape the attention mask; refused while they ask for more than the causal mask.
-MASK_INPUTS = ("token_type_ids",)
+TOKEN_INPUTS = ("mm_token_type_ids", *MASK_INPUTS)
 
 
 def _vision_keywords(base: torch.nn.Module) -> tuple[str, ...]:
@@ -72,6 +71,13 @@ class SeqParVisionLM(SeqParCausalLM):
     def __init__(
         self, model: torch.nn.Module, mesh: Any, grad_scale: float = 1.0, loss_chunk_size: int = 1024
     ):
+        outer = unwrap_hf_model(model)
+        if getattr(getattr(outer, "model", None), "language_model", None) is None:  # before the text probe
+            raise UnsupportedModelError(
+                f"{type(outer).__name__} has no base model (model.model) with a language_model; ds_seqpar runs "
+                "VLMs built as model.language_model + model.<vision tower>; train its text path with "
+                "ds_seqpar.SeqParCausalLM"
+            )
         super().__init__(model, mesh, grad_scale=grad_scale, loss_chunk_size=loss_chunk_size)
         hf = self._parts.hf
         base = getattr(hf, "model", None)
@@ -83,20 +89,13 @@ class SeqParVisionLM(SeqParCausalLM):
             )
         self.whole_inputs = _vision_keywords(base)
         self._base = base
+        # a tower attends inside its units, on each rank, not over the group: its own attention implementation
+        for _, tower, _ in vision_towers(hf):
+            tower.config._attn_implementation = self._local_attention
 
     def _vision_inputs(self, extra: dict[str, Any]) -> dict[str, Any]:
         """Pop the vision inputs out of ``extra``; any other non-None keyword is left for ``_refuse_masks``."""
-        vision = {k: extra.pop(k) for k in list(extra) if k in self.whole_inputs and extra[k] is not None}
-        for key in MASK_INPUTS:
-            value = vision.get(key)
-            if value is not None and bool((torch.as_tensor(value) != 0).any()):
-                raise UnsupportedModelError(
-                    f"{type(self._parts.hf).__name__}: {key} marks image tokens that attend to each other "
-                    "bidirectionally (an image block mask), which ds_seqpar's attention does not apply yet; "
-                    f"drop {key} to train with the causal mask (a different model), or train without SP"
-                )
-            vision.pop(key, None)
-        return vision
+        return {k: extra.pop(k) for k in list(extra) if k in self.whole_inputs and extra[k] is not None}
 
     def _loss(self, input_ids, targets, position_ids, doc_ids, extra):  # type: ignore[override]
         vision = self._vision_inputs(extra)
@@ -121,18 +120,27 @@ class SeqParVisionLM(SeqParCausalLM):
         seq_len = rows.shape[1]
         vision = {k: self._padded(k, v, seq_len) for k, v in vision.items()}
         doc = ctx.doc_ids
+        text_positions = positions
         attention_mask = None if doc is None or bool((doc >= 0).all()) else (doc >= 0).long()
         if self._mrope:
+            # the processor's all-ones mask: Qwen2.5-Omni / Qwen3-Omni number tokens in 3-D only when given one
+            attention_mask = torch.ones_like(rows) if attention_mask is None else attention_mask
             positions = (
                 None
                 if doc is None or int(doc.max()) == 0
                 else packed_rope_positions(self._base, rows, doc, vision)
             )
-        shard = TokenShard(layout, self.mesh.coords.sp_rank, seq_len, masks_handled=True)
+        ctx.blocks = self._blocks(vision)  # the attention of every layer applies them (docs/kernels.md)
+        packed = doc is not None and int(doc.max()) > 0
+        probe = MaskProbe(ctx.blocks, seq_len, self.config.model_type, packed)
+        shard = TokenShard(
+            layout, self.mesh.coords.sp_rank, seq_len, masks_handled=True, positions=text_positions
+        )
         local = SeqParContext(self.mesh, local_attention=self._local_attention)
         token = ACTIVE_CONTEXT.set(local)
         try:
             with (
+                probe_masks(probe),
                 split_towers(self._parts.hf, self.mesh),
                 sharded_language_model(self._parts.decoder, ctx, shard),
             ):
@@ -147,6 +155,10 @@ class SeqParVisionLM(SeqParCausalLM):
             ACTIVE_CONTEXT.reset(token)
         self._check_calls(ctx)
         return out.last_hidden_state
+
+    def _blocks(self, vision: dict[str, Any]) -> torch.Tensor | None:
+        """Block ids ``[B, S]`` of the tokens that attend to each other bidirectionally (``masks.py``), or None."""
+        return block_ids(self.config.model_type, vision)
 
     @property
     def _mrope(self) -> bool:

@@ -82,6 +82,9 @@ class RingPlan:
         backward_tile: backward tiles have at least this many rows per side (``backward_tiles``).
         alibi: None, or ALiBi slopes ``[h]`` of the query heads this call holds: score (i, j) of head h gains
             ``alibi[h] · (pos_j - pos_i)`` from GLOBAL positions (docs/kernels.md "ALiBi"). Not with ``sparse``.
+        reach: None, or per token in the order of ``doc_ids`` (``[S]`` / ``[B, S]`` int64) how many later
+            positions of its own image block a query also sees (``ops/image_blocks.py``; 0 for text). Needs
+            causal; not with ``sparse``.
     """
 
     schedule: Schedule
@@ -96,8 +99,11 @@ class RingPlan:
     query_layout: Any = None
     backward_tile: int = BACKWARD_TILE_ROWS
     alibi: torch.Tensor | None = None
+    reach: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        if self.reach is not None and (self.sparse is not None or not self.spec.causal):
+            raise ValueError("image blocks (reach) need a dense plan with MaskSpec(causal=True)")
         if self.sparse is not None and self.alibi is not None:
             raise ValueError(
                 "a sparse (vertical-slash) ring plan cannot apply ALiBi: its kernels take no bias"
@@ -133,7 +139,7 @@ class PlanCache:
     Every layer of a forward and its backward build their ring plans from the same document-id tensor
     (the batch's), so block classification and masks (host work, host syncs on a GPU) happen once per
     batch; the step loop itself then makes no host sync and no host-to-device copy. An entry holds its
-    document-id tensor, so that the tensor's id cannot be reused while the entry lives.
+    document-id (and image-block reach) tensor, so that the tensor's id cannot be reused while the entry lives.
     """
 
     def __init__(self, size: int = 64) -> None:
@@ -142,22 +148,23 @@ class PlanCache:
 
     def get(self, plan: RingPlan, what: tuple, device: torch.device, build: Callable[[], Any]) -> Any:
         """``build()`` once per (plan's layouts, mask spec, document ids, ``what``, device)."""
-        docs = plan.doc_ids
+        docs, reach = plan.doc_ids, plan.reach
         key = (
             plan.layout,
             plan.query_layout,
             plan.spec,
             id(docs),
             None if docs is None else docs._version,
+            None if reach is None else (id(reach), reach._version),
             what,
             str(device),
         )
         entry = self._entries.get(key)
-        if entry is not None and entry[0] is docs:
+        if entry is not None and entry[0][0] is docs and entry[0][1] is reach:
             self._entries.move_to_end(key)
             return entry[1]
         value = build()
-        self._entries[key] = (docs, value)
+        self._entries[key] = ((docs, reach), value)
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)
         return value
@@ -202,13 +209,29 @@ def query_meta(plan: RingPlan, seq_len: int, device: torch.device) -> tuple[torc
     return per_row(pos, doc), doc
 
 
+def query_ends(plan: RingPlan, seq_len: int, device: torch.device) -> torch.Tensor | None:
+    """With image blocks (``plan.reach``): the last position each of this rank's queries sees under the causal
+    rule, ``[n]`` / ``[B, n]`` (its position plus its reach); else None."""
+    if plan.reach is None:
+        return None
+
+    def build() -> torch.Tensor:
+        pos, _ = tokens(plan, seq_len, query_rank(plan), device, queries=True)
+        return pos + query_layout(plan).shard(plan.reach, query_rank(plan), dim=-1).to(device)
+
+    return PLAN_CACHE.get(plan, ("ends", seq_len, query_rank(plan)), device, build)
+
+
 def step_tasks(plan: RingPlan, seq_len: int, owner: int, q_pos: torch.Tensor, q_doc: Any) -> list[BlockTask]:
     """The block tasks of (this rank's queries, ``owner``'s keys) (``tasks.block_tasks``), once per batch."""
 
     def build() -> list[BlockTask]:
         k_pos, k_doc = tokens(plan, seq_len, owner, q_pos.device)
         q_segments, k_segments = query_layout(plan).segments(seq_len), plan.layout.segments(seq_len)
-        return block_tasks(plan.spec, q_segments, k_segments, q_pos, per_row(k_pos, k_doc), q_doc, k_doc)
+        q_end = query_ends(plan, seq_len, q_pos.device)
+        return block_tasks(
+            plan.spec, q_segments, k_segments, q_pos, per_row(k_pos, k_doc), q_doc, k_doc, q_end=q_end
+        )
 
     return PLAN_CACHE.get(plan, ("tasks", seq_len, query_rank(plan), owner), q_pos.device, build)
 

@@ -33,6 +33,7 @@ __all__ = [
 
 BACKWARD_TILES = 4  # a FULL (query segment, key segment) piece runs as up to 4 x 4 tiles in backward
 BACKWARD_TILE_ROWS = 1024  # rows per tile side, at least (small blocks stay one call)
+IMAGE_BLOCK_TILE = 512  # tile edge of long segment pairs with image blocks (``_image_block_tiles``)
 
 
 @dataclass(frozen=True)
@@ -271,15 +272,17 @@ def _document_tasks(
     k_pos: torch.Tensor,
     q_doc: torch.Tensor,
     k_doc: torch.Tensor,
+    q_end: torch.Tensor | None = None,
 ) -> list[BlockTask] | None:
     """A segment pair that packed documents make PARTIAL, cut at document boundaries: one call per pair of
     runs of the same document on both sides (FULL, CAUSAL, or PARTIAL with a small mask for windows), so
     no work is spent on pairs of different documents (docs/ring.md, "Packed documents"). None when the
-    batch rows hold different documents."""
+    batch rows hold different documents (or image blocks, ``q_end``)."""
     (qa, qb), (ka, kb) = q_rows, k_rows
     qd, kd = _shared_rows(q_doc[..., qa:qb]), _shared_rows(k_doc[..., ka:kb])
     qp, kp = _shared_rows(q_pos[..., qa:qb]), _shared_rows(k_pos[..., ka:kb])
-    if qd is None or kd is None or qp is None or kp is None:
+    qe = None if q_end is None else _shared_rows(q_end[..., qa:qb])
+    if qd is None or kd is None or qp is None or kp is None or (q_end is not None and qe is None):
         return None
     keys: dict[int, list[tuple[int, int]]] = {}
     for doc, start, end in _runs(kd, kp):
@@ -288,13 +291,62 @@ def _document_tasks(
     tasks: list[BlockTask] = []
     for doc, start, end in _runs(qd, qp):
         for ks, ke in keys.get(doc, []) if doc >= 0 else []:
-            kind, mask = classify_block(qp[start:end], kp[ks:ke], spec)
+            kind, mask = classify_block(
+                qp[start:end], kp[ks:ke], spec, q_end=None if qe is None else qe[start:end]
+            )
             if kind is not BlockKind.EMPTY:
                 task = BlockTask(slice(qa + start, qa + end), slice(ka + ks, ka + ke), kind, mask, 0)
                 tasks.append(_trimmed(task) if kind is BlockKind.PARTIAL else task)
     if tasks:
         tasks[0] = dataclasses.replace(tasks[0], segment_pairs=1)
     return tasks
+
+
+def _image_block_tiles(
+    spec: MaskSpec,
+    q_seg: tuple[int, int],
+    k_seg: tuple[int, int],
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    q_doc: Any,
+    k_doc: Any,
+    q_end: torch.Tensor,
+) -> list[BlockTask] | None:
+    """A long segment pair with image blocks (``q_end``), cut into tiles of ``IMAGE_BLOCK_TILE`` tokens (the
+    window's tile with a window) that are classified one by one: the diagonal of a causal pair is then CAUSAL
+    and FULL tiles with small PARTIAL tiles only where a block or a document border crosses, instead of one
+    mask of the whole pair (docs/kernels.md "Image blocks"). None when the pair fits in one tile."""
+    (qa, qb), (ka, kb) = q_seg, k_seg
+    tile = IMAGE_BLOCK_TILE if spec.window is None else min(IMAGE_BLOCK_TILE, window_tile(spec.window))
+    if max(qb - qa, kb - ka) <= tile:
+        return None
+    docs = (_rows(q_doc, qa, qb), _rows(k_doc, ka, kb))
+    if quick_block_kind(q_pos[..., qa:qb], k_pos[..., ka:kb], spec, *docs, q_end[..., qa:qb]) is not None:
+        return None  # the whole pair is one EMPTY / FULL / CAUSAL call
+    tasks: list[BlockTask] = []
+    for a in range(qa, qb, tile):
+        b = min(a + tile, qb)
+        for c in range(ka, kb, tile):
+            d = min(c + tile, kb)
+            kind, mask = classify_block(
+                q_pos[..., a:b],
+                k_pos[..., c:d],
+                spec,
+                _rows(q_doc, a, b),
+                _rows(k_doc, c, d),
+                q_end[..., a:b],
+            )
+            if kind is not BlockKind.EMPTY:
+                task = BlockTask(slice(a, b), slice(c, d), kind, mask, 0)
+                tasks.append(_trimmed(task) if kind is BlockKind.PARTIAL else task)
+    if tasks:
+        tasks[0] = dataclasses.replace(tasks[0], segment_pairs=1)
+    return tasks
+
+
+def _rows(x: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    """Columns ``start:stop`` of a ``[n]`` / ``[B, n]`` tensor, or None."""
+    return None if x is None else x[..., start:stop]
 
 
 def window_tile(window: int) -> int:
@@ -364,6 +416,7 @@ def block_tasks(
     k_pos: torch.Tensor,
     q_doc: Any,
     k_doc: Any,
+    q_end: torch.Tensor | None = None,
 ) -> list[BlockTask]:
     """The kernel calls for (query rows, key rows) of one step; EMPTY pairs dropped.
 
@@ -372,17 +425,19 @@ def block_tasks(
     classified from global positions; the calls are then as few as the mask allows: the whole block in
     one call when it is FULL or top-left CAUSAL as a whole (the own step of zigzag), else neighbouring
     FULL pairs joined into one rectangle, and pairs that packed documents make PARTIAL cut at document
-    boundaries. Host work (with host syncs on a GPU): done once per batch (``plan.PLAN_CACHE``).
+    boundaries. ``q_end``: None, or the last position each query sees (image blocks, ``ops/masks.py``).
+    Host work (with host syncs on a GPU): done once per batch (``plan.PLAN_CACHE``).
     """
     if len(q_segments) * len(k_segments) > 1:
-        whole = quick_block_kind(q_pos, k_pos, spec, q_doc, k_doc)
+        whole = quick_block_kind(q_pos, k_pos, spec, q_doc, k_doc, q_end)
         if whole is BlockKind.EMPTY:
             return []
         if whole in (BlockKind.FULL, BlockKind.CAUSAL):
             covered = len(q_segments) * len(k_segments)
             if whole is BlockKind.CAUSAL:  # no pair above the diagonal
                 covered = sum(
-                    quick_block_kind(q_pos[..., qa:qb], k_pos[..., ka:kb], spec) is not BlockKind.EMPTY
+                    quick_block_kind(q_pos[..., qa:qb], k_pos[..., ka:kb], spec, q_end=_rows(q_end, qa, qb))
+                    is not BlockKind.EMPTY
                     for qa, qb in q_segments
                     for ka, kb in k_segments
                 )
@@ -390,7 +445,7 @@ def block_tasks(
     tasks = []
     for qa, qb in q_segments:
         for ka, kb in k_segments:
-            tasks += _pair_tasks(spec, (qa, qb), (ka, kb), q_pos, k_pos, q_doc, k_doc)
+            tasks += _pair_tasks(spec, (qa, qb), (ka, kb), q_pos, k_pos, q_doc, k_doc, q_end)
     return _join_full(_join_full(tasks, along_keys=True), along_keys=False)
 
 
@@ -402,18 +457,26 @@ def _pair_tasks(
     k_pos: torch.Tensor,
     q_doc: Any,
     k_doc: Any,
+    q_end: torch.Tensor | None = None,
 ) -> list[BlockTask]:
-    """The calls of one (query segment, key segment) pair: window tiles, per-document calls, or one call."""
+    """The calls of one (query segment, key segment) pair: window tiles, per-document calls, or one call.
+    With image blocks (``q_end``) no window tiling (its tiles share masks by offset)."""
     (qa, qb), (ka, kb) = q_seg, k_seg
-    tiled = None if q_doc is not None else _window_tasks(spec, q_seg, k_seg, q_pos, k_pos)
+    plain = q_doc is None and q_end is None
+    tiled = _window_tasks(spec, q_seg, k_seg, q_pos, k_pos) if plain else None
+    if q_end is not None:
+        tiled = _image_block_tiles(spec, q_seg, k_seg, q_pos, k_pos, q_doc, k_doc, q_end)
     if tiled is not None:
         return tiled
+    ends = _rows(q_end, qa, qb)
     if (
         q_doc is not None
-        and quick_block_kind(q_pos[..., qa:qb], k_pos[..., ka:kb], spec, q_doc[..., qa:qb], k_doc[..., ka:kb])
+        and quick_block_kind(
+            q_pos[..., qa:qb], k_pos[..., ka:kb], spec, q_doc[..., qa:qb], k_doc[..., ka:kb], ends
+        )
         is None
     ):  # packed documents: cut at their runs before any mask of the whole pair is built
-        split = _document_tasks(spec, q_seg, k_seg, q_pos, k_pos, q_doc, k_doc)
+        split = _document_tasks(spec, q_seg, k_seg, q_pos, k_pos, q_doc, k_doc, q_end)
         if split is not None:
             return split
     kind, mask = classify_block(
@@ -422,6 +485,7 @@ def _pair_tasks(
         spec,
         None if q_doc is None else q_doc[..., qa:qb],
         None if k_doc is None else k_doc[..., ka:kb],
+        ends,
     )
     if kind is BlockKind.EMPTY:
         return []
