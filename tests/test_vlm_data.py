@@ -162,7 +162,8 @@ def test_refusals_of_the_file_and_the_family(config, tmp_path):
         read_vlm_data(str(tmp_path / "none.jsonl"), MODEL, config, 256)
     llama = AutoConfig.from_pretrained(ROOT / "assets" / "tiny-llama")
     with pytest.raises(
-        SeqParConfigError, match=r"model_type 'llama' has no multimodal data rule \(supported: qwen2_5_vl, qwen2_vl\)"
+        SeqParConfigError,
+        match=r"model_type 'llama' has no multimodal data rule \(supported: qwen2_5_vl, qwen2_vl\)",
     ):
         read_vlm_data(str(DATA / "train.jsonl"), MODEL, llama, 256)
 
