@@ -88,7 +88,6 @@ class SeqParVisionLM(SeqParCausalLM):
                 "+ model.<vision tower>; train its text path with ds_seqpar.SeqParCausalLM"
             )
         self.whole_inputs = _vision_keywords(base)
-        self._base = base
         # a tower attends inside its units, on each rank, not over the group: its own attention implementation
         for _, tower, _ in vision_towers(hf):
             tower.config._attn_implementation = self._local_attention
@@ -159,6 +158,11 @@ class SeqParVisionLM(SeqParCausalLM):
     def _blocks(self, vision: dict[str, Any]) -> torch.Tensor | None:
         """Block ids ``[B, S]`` of the tokens that attend to each other bidirectionally (``masks.py``), or None."""
         return block_ids(self.config.model_type, vision)
+
+    @property
+    def _base(self) -> torch.nn.Module:
+        """The VLM's base model (kept out of the module tree: its weights are the model's, once)."""
+        return self._parts.hf.model
 
     @property
     def _mrope(self) -> bool:
