@@ -266,21 +266,22 @@ def _image_forms(model: torch.nn.Module, n: int, g: torch.Generator) -> list[dic
     params = _params(model.model.get_image_features)
     forms = []
     if "image_grid_thw" in params:
-        forms.append(
-            {
-                "pixel_values": torch.randn(n * GRID * GRID, c * tp * p * p, generator=g),
-                "image_grid_thw": torch.tensor([[1, GRID, GRID]] * n),
-            }
-        )
+        grid = torch.tensor([[1, GRID, GRID]] * n)
+        rows = n * GRID * GRID
+        for shape in ((rows, c * tp * p * p), (rows, c * 2 * p * p), (rows, c, p, p), (1, rows, c, p, p)):
+            forms.append({"pixel_values": torch.randn(*shape, generator=g), "image_grid_thw": grid})
     sizes = torch.tensor([[s, s]] * n)
     if "image_sizes" in params:
         forms.append({"pixel_values": torch.randn(n, 3, c, s, s, generator=g), "image_sizes": sizes})
         forms.append({"pixel_values": torch.randn(n, c, s, s, generator=g), "image_sizes": sizes})
     forms.append({"pixel_values": torch.randn(n, c, s, s, generator=g)})
     forms.append({"pixel_values": torch.randn(1, n, c, s, s, generator=g)})
+    merge = getattr(getattr(model.config, "vision_config", None), "spatial_merge_size", None) or 1
     for form in forms:
         if "batch_num_images" in params:
             form["batch_num_images"] = torch.tensor([n])
+        if "image_merge_sizes" in params:
+            form["image_merge_sizes"] = torch.tensor([merge] * n)
     return forms
 
 
@@ -355,7 +356,8 @@ def _special_ids(cfg: PretrainedConfig, kind: str) -> tuple[int, int | None, int
 def vlm_batch(model: torch.nn.Module, with_video: bool, seed: int = 0) -> dict[str, torch.Tensor]:
     """One row ``[5, image, 7, (video), 3, image, 4]`` and its vision inputs (see the module)."""
     g = torch.Generator().manual_seed(seed)
-    if not any(isinstance(getattr(model.model, a, None), torch.nn.Module) for a in TOWER_ATTRIBUTES):
+    towers = [getattr(model.model, a, 0) for a in TOWER_ATTRIBUTES]
+    if None in towers and not any(isinstance(t, torch.nn.Module) for t in towers):
         raise TinyBuildError("the default config builds no vision tower")
     vision, counts = _first_form(model, "get_image_features", _image_forms(model, 2, g), 2)
     pieces: list[Any] = [5, ("image", counts[0]), 7, 3, ("image", counts[1]), 4]
@@ -378,7 +380,9 @@ def vlm_batch(model: torch.nn.Module, with_video: bool, seed: int = 0) -> dict[s
     row = torch.tensor([ids])
     batch = {"input_ids": row, "labels": row.masked_fill(row >= MEDIA_IDS, -100)}
     batch["attention_mask"] = torch.ones_like(row)  # what a processor gives (some families need it for mRoPE)
-    if "mm_token_type_ids" in _params(type(model).forward):
+    if "mm_token_type_ids" in _params(
+        type(model.model).forward
+    ):  # (a model passing it on in **kwargs ignores it)
         batch["mm_token_type_ids"] = torch.tensor([types])
     return batch | vision
 
