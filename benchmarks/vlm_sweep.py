@@ -137,6 +137,11 @@ CAUSES = (
     ("passed [", "the VLM passes its language model an input ds_seqpar cannot cut to this rank's tokens"),
     ("image block mask", "image tokens attend to each other bidirectionally (token_type_ids)"),
     (
+        "use_bidirectional_attention='vision'",
+        "image tokens attend to each other bidirectionally (Gemma 4's larger models)",
+    ),
+    ("output_router_logits=True", "the MoE load-balancing loss (output_router_logits=True)"),
+    (
         "built an attention mask",
         "the VLM builds its own attention mask from an input ds_seqpar does not honour",
     ),

@@ -6,29 +6,56 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from benchmarks.vlm_sweep import SECTION, section_markdown, sweep_vlms, write_section
 from ds_seqpar import UnsupportedModelError
 from ds_seqpar.integrations.vision.language import TokenShard, _local_inputs
+from ds_seqpar.integrations.vision.refusals import refuse_unsupported_vlm
 from ds_seqpar.layout import UspLayout
 from ds_seqpar.layout.ring import ZigzagLayout
 
 # (type, expected status, a phrase of the detail): LLaVA (a CLIP tower split by images), Qwen2.5-Omni's
 # thinker (a language model called without position ids: numbered each shard from 0 before the fix, a mismatch),
-# SmolVLM (its text model is not model.language_model: refused by name when wrapped)
+# SmolVLM (its text model is not model.language_model: refused by name when wrapped), Gemma 4 with
+# bidirectional image blocks (the sweep's config; silently causal before the refusal)
 CASES = [
     ("llava", "exact", "images"),
     ("qwen2_5_omni_thinker", "exact", "images"),
     ("smolvlm", "refused", "model.language_model"),
 ]
+SLOW_CASES = [("gemma4", "refused", "use_bidirectional_attention='vision'")]  # a mismatch before the refusal
 
 
-def test_sweep_classifies_each_type(dist_pool):
-    rows = dist_pool(4).run(sweep_vlms, [t for t, _, _ in CASES])[0]
-    for (model_type, status, phrase), row in zip(CASES, rows, strict=True):
+def _check_sweep(pool, cases):
+    rows = pool.run(sweep_vlms, [t for t, _, _ in cases])[0]
+    for (model_type, status, phrase), row in zip(cases, rows, strict=True):
         assert row["type"] == model_type
         assert row["status"] == status, row
         assert phrase in row["detail"], row
+
+
+def test_sweep_classifies_each_type(dist_pool):
+    _check_sweep(dist_pool(4), CASES)
+
+
+@pytest.mark.slow
+def test_sweep_refuses_gemma4_bidirectional_image_blocks(dist_pool):
+    _check_sweep(dist_pool(4), SLOW_CASES)
+
+
+class _Vlm(torch.nn.Module):
+    def __init__(self, mode):
+        super().__init__()
+        self.config = transformers.Gemma4Config(text_config={"use_bidirectional_attention": mode})
+
+
+def test_bidirectional_image_blocks_refused_by_name():
+    refuse_unsupported_vlm(_Vlm(None))  # the small models: causal, runs
+    with pytest.raises(
+        UnsupportedModelError, match=r"_Vlm: text_config.use_bidirectional_attention='vision'"
+    ):
+        refuse_unsupported_vlm(_Vlm("vision"))
 
 
 def test_markdown_section_keeps_the_text_part(tmp_path):
