@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+from benchmarks import model_sweep
 from benchmarks.vlm_sweep import SECTION, section_markdown, sweep_vlms, write_section
 from ds_seqpar import UnsupportedModelError
 from ds_seqpar.integrations.vision.language import TokenShard, _local_inputs
@@ -72,6 +73,10 @@ def test_markdown_section_keeps_the_text_part(tmp_path):
     assert text.count(SECTION) == 1
     assert "| exact | 1 |" in text and "| refused | 1 |" in text
     assert "not built as model.language_model + model.<vision tower> | 1: `smolvlm`" in text
+    model_sweep.write_markdown([{"type": "llama", "status": "exact", "detail": "ok"}], path, 1.0)
+    again = path.read_text()  # the text sweep rewrites its part and keeps this section
+    assert again.startswith("# Model families under ds_seqpar") and "| `llama` |" in again
+    assert again.endswith(text[text.index(SECTION) :])
 
 
 def _shard(rank: int = 1) -> TokenShard:
