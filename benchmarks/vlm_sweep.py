@@ -88,6 +88,7 @@ def sweep_one(model_type: str, seed: int = 0) -> dict:
     """On every rank: build, run the plain model and SeqParVisionLM, compare (see the module docstring)."""
     from benchmarks.vlm_tiny import build_tiny_vlm
     from ds_seqpar import SeqParConfigError, SeqParVisionLM, UnsupportedModelError, shard_batch
+    from ds_seqpar.integrations.vision.split_tower import vision_towers
 
     mesh = _mesh()
     try:
@@ -113,6 +114,8 @@ def sweep_one(model_type: str, seed: int = 0) -> dict:
     shape = (
         f"{batch['input_ids'].shape[1]} tokens, {'video' if any('video' in k for k in vision) else 'images'}"
     )
+    rules = sorted({rule.name if rule else "whole" for _, _, rule in vision_towers(ref)}) or ["whole"]
+    shape += f", tower {'/'.join(rules)}"  # split by the TowerRule of that name, or run whole on every rank
     if "token_type_ids" in inspect.signature(type(ref.model).forward).parameters:
         shape += " (no token_type_ids: image blocks are refused by name)"
     try:
@@ -195,7 +198,9 @@ def section_markdown(rows: list[dict], seconds: float, command: str) -> list[str
         f"hidden 64; vision: 2 blocks, {IMAGE} x {IMAGE} images in {PATCH} x {PATCH} patches; `benchmarks/vlm_tiny.py`),",
         "trained one step (fp32) on one row of text with two images (and a video where the family takes one; the",
         "placeholder counts from the model's own feature functions) in one process and as `SeqParVisionLM` on",
-        f"{WORLD} gloo ranks (U {ULYSSES} x R {WORLD // ULYSSES}, {LAYOUT}). The result classes are the text sweep's;",
+        f"{WORLD} gloo ranks (U {ULYSSES} x R {WORLD // ULYSSES}, {LAYOUT}); the detail names the `TowerRule` that",
+        "split the vision tower over the ranks, or `whole` (run whole on every rank). The result classes are the",
+        "text sweep's;",
         "`skipped` here also means the family's pixel inputs could not be built generically. Family fixes:",
         "`VLM_OVERRIDES` in `benchmarks/vlm_tiny.py` (Gemma 4 is swept as its larger models are configured,",
         "`use_bidirectional_attention='vision'`). torch",

@@ -287,6 +287,16 @@ def _image_forms(model: torch.nn.Module, n: int, g: torch.Generator) -> list[dic
                 "image_position_ids": xy.expand(n, -1, -1).clone(),
             }
         )
+    if (
+        "spatial_shapes" in params
+    ):  # NaFlex patches [N, P, C·p·p] of a (h, w) grid each, a patch mask (SigLIP 2)
+        forms.append(
+            {
+                "pixel_values": torch.randn(n, GRID * GRID, c * p * p, generator=g),
+                "spatial_shapes": torch.tensor([[GRID, GRID]] * n),
+                "pixel_attention_mask": torch.ones(n, GRID * GRID, dtype=torch.long),
+            }
+        )
     sizes = torch.tensor([[s, s]] * n)
     if "image_sizes" in params:
         forms.append({"pixel_values": torch.randn(n, 3, c, s, s, generator=g), "image_sizes": sizes})
