@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import json
 import os
 import sys
@@ -87,6 +88,7 @@ def sweep_one(model_type: str, seed: int = 0) -> dict:
     """On every rank: build, run the plain model and SeqParVisionLM, compare (see the module docstring)."""
     from benchmarks.vlm_tiny import build_tiny_vlm
     from ds_seqpar import SeqParConfigError, SeqParVisionLM, UnsupportedModelError, shard_batch
+    from ds_seqpar.integrations.vision.split_tower import vision_towers
 
     mesh = _mesh()
     try:
@@ -112,6 +114,10 @@ def sweep_one(model_type: str, seed: int = 0) -> dict:
     shape = (
         f"{batch['input_ids'].shape[1]} tokens, {'video' if any('video' in k for k in vision) else 'images'}"
     )
+    rules = sorted({rule.name if rule else "whole" for _, _, rule in vision_towers(ref)}) or ["whole"]
+    shape += f", tower {'/'.join(rules)}"  # split by the TowerRule of that name, or run whole on every rank
+    if "token_type_ids" in inspect.signature(type(ref.model).forward).parameters:
+        shape += " (no token_type_ids: image blocks are refused by name)"
     try:
         loss = lm(**shard_batch(text, mesh), **vision)
         loss.backward()
@@ -136,6 +142,13 @@ CAUSES = (
     ("VLMs built as model.language_model", "not built as model.language_model + model.<vision tower>"),
     ("passed [", "the VLM passes its language model an input ds_seqpar cannot cut to this rank's tokens"),
     ("image block mask", "image tokens attend to each other bidirectionally (token_type_ids)"),
+    ("use_bidirectional_attention='vision'", "image tokens attend to each other bidirectionally (Gemma 4)"),
+    (
+        "not one of the routed DSA layers",
+        "DeepSeek sparse attention (index_topk) in a layer without a DSA adapter",
+    ),
+    ("failed on a probe", "the text-only probe when wrapping fails (the family's own error, in the detail)"),
+    ("output_router_logits=True", "the MoE load-balancing loss (output_router_logits=True)"),
     (
         "built an attention mask",
         "the VLM builds its own attention mask from an input ds_seqpar does not honour",
@@ -185,8 +198,12 @@ def section_markdown(rows: list[dict], seconds: float, command: str) -> list[str
         f"hidden 64; vision: 2 blocks, {IMAGE} x {IMAGE} images in {PATCH} x {PATCH} patches; `benchmarks/vlm_tiny.py`),",
         "trained one step (fp32) on one row of text with two images (and a video where the family takes one; the",
         "placeholder counts from the model's own feature functions) in one process and as `SeqParVisionLM` on",
-        f"{WORLD} gloo ranks (U {ULYSSES} x R {WORLD // ULYSSES}, {LAYOUT}). The result classes are the text sweep's;",
-        "`skipped` here also means the family's pixel inputs could not be built generically. torch",
+        f"{WORLD} gloo ranks (U {ULYSSES} x R {WORLD // ULYSSES}, {LAYOUT}); the detail names the `TowerRule` that",
+        "split the vision tower over the ranks, or `whole` (run whole on every rank). The result classes are the",
+        "text sweep's;",
+        "`skipped` here also means the family's pixel inputs could not be built generically. Family fixes:",
+        "`VLM_OVERRIDES` in `benchmarks/vlm_tiny.py` (Gemma 4 is swept as its larger models are configured,",
+        "`use_bidirectional_attention='vision'`). torch",
         f"{v['torch']}, deepspeed {v['deepspeed']}, ds_seqpar {v['ds_seqpar']}, Python {v['python']};"
         f" {len(rows)} types in {seconds:.0f} s.",
         "",

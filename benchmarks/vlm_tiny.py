@@ -27,6 +27,7 @@ from benchmarks.tiny_configs import (
     _OVERRIDES,
     _WINDOW,
     TinyBuildError,
+    _config_kwargs,
     _config_values,
     _construct,
     _default_config,
@@ -52,6 +53,8 @@ VLM_OVERRIDES: dict[str, dict[str, Any]] = {
     # the thinkers' get_rope_index reads vision_start_token_id, which their default configs lack (checkpoints set it)
     "qwen2_5_omni_thinker": {"vision_start_token_id": 151652, "vision_end_token_id": 151653},
     "qwen3_omni_moe_thinker": {"vision_start_token_id": 151652, "vision_end_token_id": 151653},
+    # the larger checkpoints' image blocks attend bidirectionally (the default, None, is the small models')
+    "gemma4": {"text_config": {"use_bidirectional_attention": "vision"}},
     # the text model builds a sliding-window mask whatever its layer types (checkpoints set the window)
     "step3p7": {"text_config": {"sliding_window": 4096}},
 }
@@ -132,8 +135,8 @@ def _renumber_media(cfg: PretrainedConfig, mapping: dict[int, int]) -> None:
             setattr(cfg, k, [mapping.setdefault(x, MEDIA_IDS + len(mapping)) for x in v])
     if mapping and max(mapping.values()) >= VOCAB:
         raise TinyBuildError(f"{len(mapping)} media token ids do not fit below {VOCAB}")
-    for k in ("vocab_size",):
-        if isinstance(getattr(cfg, k, None), int) and getattr(cfg, k) == TEXT_VOCAB:
+    for k, v in _config_values(cfg).items():  # vocab_size, vocab_size_per_layer_input (Gemma 3n / 4)
+        if k.startswith("vocab_size") and v == TEXT_VOCAB:
             setattr(cfg, k, VOCAB)
 
 
@@ -194,6 +197,9 @@ def _mrope_overrides(default: PretrainedConfig) -> dict[str, Any]:
 def tiny_vlm_config(model_type: str, model_cls: type | None = None) -> PretrainedConfig:
     """The config of ``model_type`` made tiny (see the module)."""
     default = _default_config(model_type)
+    vision_cls = (getattr(type(default), "sub_configs", None) or {}).get("vision_config")
+    if getattr(default, "vision_config", 0) is None and vision_cls is not None:  # a default without a tower
+        default = _construct(type(default), {**_config_kwargs(default), "vision_config": vision_cls()})
     over = _merge(
         _merge(_window_overrides(default), _mrope_overrides(default)), _OVERRIDES.get(model_type, {})
     )
@@ -266,10 +272,29 @@ def _image_forms(model: torch.nn.Module, n: int, g: torch.Generator) -> list[dic
     params = _params(model.model.get_image_features)
     forms = []
     if "image_grid_thw" in params:
+        grid = torch.tensor([[1, GRID, GRID]] * n)
+        rows = n * GRID * GRID
+        for shape in ((rows, c * tp * p * p), (rows, c * 2 * p * p), (rows, c, p, p), (1, rows, c, p, p)):
+            forms.append({"pixel_values": torch.randn(*shape, generator=g), "image_grid_thw": grid})
+    if "image_position_ids" in params:  # patches [N, P, C·p·p] at (x, y) grid positions (Gemma 4)
+        side = 2 * (getattr(getattr(model.config, "vision_config", None), "pooling_kernel_size", None) or 2)
+        xy = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="xy"), -1).reshape(
+            -1, 2
+        )
         forms.append(
             {
-                "pixel_values": torch.randn(n * GRID * GRID, c * tp * p * p, generator=g),
-                "image_grid_thw": torch.tensor([[1, GRID, GRID]] * n),
+                "pixel_values": torch.randn(n, side * side, c * p * p, generator=g),
+                "image_position_ids": xy.expand(n, -1, -1).clone(),
+            }
+        )
+    if (
+        "spatial_shapes" in params
+    ):  # NaFlex patches [N, P, C·p·p] of a (h, w) grid each, a patch mask (SigLIP 2)
+        forms.append(
+            {
+                "pixel_values": torch.randn(n, GRID * GRID, c * p * p, generator=g),
+                "spatial_shapes": torch.tensor([[GRID, GRID]] * n),
+                "pixel_attention_mask": torch.ones(n, GRID * GRID, dtype=torch.long),
             }
         )
     sizes = torch.tensor([[s, s]] * n)
@@ -278,9 +303,12 @@ def _image_forms(model: torch.nn.Module, n: int, g: torch.Generator) -> list[dic
         forms.append({"pixel_values": torch.randn(n, c, s, s, generator=g), "image_sizes": sizes})
     forms.append({"pixel_values": torch.randn(n, c, s, s, generator=g)})
     forms.append({"pixel_values": torch.randn(1, n, c, s, s, generator=g)})
+    merge = getattr(getattr(model.config, "vision_config", None), "spatial_merge_size", None) or 1
     for form in forms:
         if "batch_num_images" in params:
             form["batch_num_images"] = torch.tensor([n])
+        if "image_merge_sizes" in params:
+            form["image_merge_sizes"] = torch.tensor([merge] * n)
     return forms
 
 
@@ -355,7 +383,8 @@ def _special_ids(cfg: PretrainedConfig, kind: str) -> tuple[int, int | None, int
 def vlm_batch(model: torch.nn.Module, with_video: bool, seed: int = 0) -> dict[str, torch.Tensor]:
     """One row ``[5, image, 7, (video), 3, image, 4]`` and its vision inputs (see the module)."""
     g = torch.Generator().manual_seed(seed)
-    if not any(isinstance(getattr(model.model, a, None), torch.nn.Module) for a in TOWER_ATTRIBUTES):
+    towers = [getattr(model.model, a, 0) for a in TOWER_ATTRIBUTES]
+    if None in towers and not any(isinstance(t, torch.nn.Module) for t in towers):
         raise TinyBuildError("the default config builds no vision tower")
     vision, counts = _first_form(model, "get_image_features", _image_forms(model, 2, g), 2)
     pieces: list[Any] = [5, ("image", counts[0]), 7, 3, ("image", counts[1]), 4]
@@ -378,7 +407,9 @@ def vlm_batch(model: torch.nn.Module, with_video: bool, seed: int = 0) -> dict[s
     row = torch.tensor([ids])
     batch = {"input_ids": row, "labels": row.masked_fill(row >= MEDIA_IDS, -100)}
     batch["attention_mask"] = torch.ones_like(row)  # what a processor gives (some families need it for mRoPE)
-    if "mm_token_type_ids" in _params(type(model).forward):
+    if "mm_token_type_ids" in _params(
+        type(model.model).forward
+    ):  # (a model passing it on in **kwargs ignores it)
         batch["mm_token_type_ids"] = torch.tensor([types])
     return batch | vision
 

@@ -103,6 +103,7 @@ for _name in ("inputs_embeds", "input_ids"):
 register_language_input("position_ids", _positions)
 register_language_input("attention_mask", _attention_mask)
 register_language_input("visual_pos_masks", _embeds)
+register_language_input("per_layer_inputs", _embeds)  # Gemma 3n / 4: [B, S, layers, D] per token
 register_language_input("deepstack_visual_embeds", _visual_rows)
 for _name in ("use_cache", "cache", "past_key_values", "return_dict", "output_hidden_states"):
     register_language_input(_name, _dropped)

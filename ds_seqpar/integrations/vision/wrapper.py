@@ -26,6 +26,7 @@ from ds_seqpar.integrations.hf_model import UnsupportedModelError, unwrap_hf_mod
 from ds_seqpar.integrations.vision.language import TokenShard, sharded_language_model
 from ds_seqpar.integrations.vision.masks import MASK_INPUTS, MaskProbe, block_ids, probe_masks
 from ds_seqpar.integrations.vision.positions import packed_rope_positions
+from ds_seqpar.integrations.vision.refusals import refuse_unsupported_vlm
 from ds_seqpar.integrations.vision.split_tower import split_towers, vision_towers
 from ds_seqpar.settings import input_layout
 
@@ -78,6 +79,7 @@ class SeqParVisionLM(SeqParCausalLM):
                 "VLMs built as model.language_model + model.<vision tower>; train its text path with "
                 "ds_seqpar.SeqParCausalLM"
             )
+        refuse_unsupported_vlm(outer)
         super().__init__(model, mesh, grad_scale=grad_scale, loss_chunk_size=loss_chunk_size)
         hf = self._parts.hf
         base = getattr(hf, "model", None)
