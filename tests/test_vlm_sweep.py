@@ -18,12 +18,12 @@ from ds_seqpar.layout.ring import ZigzagLayout
 
 # (type, expected status, a phrase of the detail): LLaVA (a CLIP tower split by images), Qwen2.5-Omni's
 # thinker (a language model called without position ids: numbered each shard from 0 before the fix, a mismatch),
-# SmolVLM (its text model is not model.language_model: refused by name when wrapped), Gemma 4 with
+# Idefics2 (its perceiver connector builds a bidirectional mask: refused by the mask probe), Gemma 4 with
 # bidirectional image blocks (the sweep's config; silently causal before the refusal)
 CASES = [
     ("llava", "exact", "images"),
     ("qwen2_5_omni_thinker", "exact", "images"),
-    ("smolvlm", "refused", "model.language_model"),
+    ("idefics2", "refused", "sees later tokens"),
 ]
 SLOW_CASES = [("gemma4", "refused", "use_bidirectional_attention='vision'")]  # a mismatch before the refusal
 

@@ -33,11 +33,21 @@ from ds_seqpar.settings import input_layout
 __all__ = ["SeqParVisionLM", "is_vision_lm", "whole_inputs_of"]
 
 
+LANGUAGE_ATTRIBUTES = ("language_model", "text_model")  # where a VLM's base model keeps its language model
+
+
+def language_model_of(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The language model of a VLM's base model (``model.model.language_model`` / ``.text_model``), or None."""
+    base = getattr(model, "model", None)
+    found = (getattr(base, name, None) for name in LANGUAGE_ATTRIBUTES) if base is not None else ()
+    return next((m for m in found if isinstance(m, torch.nn.Module)), None)
+
+
 def is_vision_lm(model: torch.nn.Module) -> bool:
     """Whether ``model`` (or the HF model inside a PEFT wrapper) is a VLM ``SeqParVisionLM`` runs: a base model
-    with a ``language_model`` and a vision tower."""
+    with a language model and a vision tower."""
     hf = unwrap_hf_model(model)
-    return getattr(getattr(hf, "model", None), "language_model", None) is not None and bool(vision_towers(hf))
+    return language_model_of(hf) is not None and bool(vision_towers(hf))
 
 
 # Keywords of a VLM's forward that the wrapper sets itself or that have no meaning in SP training.
@@ -73,9 +83,9 @@ class SeqParVisionLM(SeqParCausalLM):
         self, model: torch.nn.Module, mesh: Any, grad_scale: float = 1.0, loss_chunk_size: int = 1024
     ):
         outer = unwrap_hf_model(model)
-        if getattr(getattr(outer, "model", None), "language_model", None) is None:  # before the text probe
+        if language_model_of(outer) is None:  # before the text probe
             raise UnsupportedModelError(
-                f"{type(outer).__name__} has no base model (model.model) with a language_model; ds_seqpar runs "
+                f"{type(outer).__name__} has no base model (model.model) with a language_model / text_model; ds_seqpar runs "
                 "VLMs built as model.language_model + model.<vision tower>; train its text path with "
                 "ds_seqpar.SeqParCausalLM"
             )
@@ -83,7 +93,7 @@ class SeqParVisionLM(SeqParCausalLM):
         super().__init__(model, mesh, grad_scale=grad_scale, loss_chunk_size=loss_chunk_size)
         hf = self._parts.hf
         base = getattr(hf, "model", None)
-        if base is None or getattr(base, "language_model", None) is not self._parts.decoder:
+        if base is None or language_model_of(hf) is not self._parts.decoder:
             raise UnsupportedModelError(
                 f"{type(hf).__name__} has no base model whose language_model is its decoder "
                 f"({type(self._parts.decoder).__name__}); ds_seqpar runs VLMs built as model.language_model "
