@@ -57,7 +57,9 @@ class VlmEncoder:
     def encode(self, record: VlmRecord) -> EncodedRecord:
         """The record's tokens, labels and vision inputs (``[L]`` each)."""
         self._check(record)
-        out = self._process(record.prompt + record.text, record.images, record.videos, record.where)
+        out = self._process(
+            record.prompt + record.text, record.images, record.videos, record.where, record.fps
+        )
         ids = out["input_ids"][0].long()
         mm = out.get("mm_token_type_ids", torch.zeros_like(ids[None]))[0].long()
         n_prompt = self._prompt_length(record, ids) if record.prompt else 0
@@ -76,6 +78,12 @@ class VlmEncoder:
             raise SeqParConfigError(
                 f"{record.where}: a record with videos; model_type {self.family.model_type!r} is read for images "
                 f"only ({self.family.no_videos}); fix: drop the videos, or train a family that reads them"
+            )
+        if record.videos and self.family.video_seconds and record.fps is None:
+            raise SeqParConfigError(
+                f"{record.where}: a record with videos and no 'fps'; model_type {self.family.model_type!r} spaces "
+                'a video\'s temporal patches by second_per_grid_ts = temporal_patch_size / fps; fix: add "fps": '
+                "the frames per second of the listed frames"
             )
         if record.videos and self.family.encode_video is not None:
             self._check_video_config()
@@ -102,7 +110,9 @@ class VlmEncoder:
             check_video_config(self.model_path, self.processor.image_processor)
             self.video_config_checked = True
 
-    def _process(self, text: str, images: tuple, videos: tuple, where: str) -> dict[str, torch.Tensor]:
+    def _process(
+        self, text: str, images: tuple, videos: tuple, where: str, fps: float | None = None
+    ) -> dict[str, torch.Tensor]:
         text = text.replace(IMAGE, self.family.image_text)
         own = self.family.encode_video is not None and bool(videos)
         # own path: the processor sees each video as its text with no video token (it refuses video tokens
@@ -119,6 +129,9 @@ class VlmEncoder:
         )
         if own:
             out = self._insert_videos(out, videos, where)
+            if self.family.video_seconds:
+                tp = int(self.processor.image_processor.temporal_patch_size)
+                out["second_per_grid_ts"] = torch.full((len(videos),), tp / fps)
         unknown = sorted(k for k in out if k not in TOKEN_KEYS and k not in self.family.vision_keys)
         if unknown:
             raise SeqParConfigError(
@@ -159,7 +172,9 @@ class VlmEncoder:
     def _prompt_length(self, record: VlmRecord, ids: torch.Tensor) -> int:
         """Tokens of the prompt alone (its own images / videos), which must be a prefix of the record's."""
         n_img, n_vid = record.prompt.count(IMAGE), record.prompt.count(VIDEO)
-        prompt = self._process(record.prompt, record.images[:n_img], record.videos[:n_vid], record.where)
+        prompt = self._process(
+            record.prompt, record.images[:n_img], record.videos[:n_vid], record.where, record.fps
+        )
         head = prompt["input_ids"][0].long()
         if len(head) > len(ids) or not torch.equal(ids[: len(head)], head):
             raise SeqParConfigError(

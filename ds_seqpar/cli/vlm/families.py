@@ -28,7 +28,9 @@ class VlmFamily:
     ``get_rope_index`` (mRoPE families, positions ``[3, 1, L]`` per record) or None (``arange(L)``);
     ``videos``: whether records with videos are read (False: refused by name, with ``no_videos`` the reason);
     ``encode_video``: ``(image_processor, frames, where) -> {pixel_values_videos, video_grid_thw}``, a video
-    built from its frames without torchvision (``video.py``), or None (the processor's own video path)."""
+    built from its frames without torchvision (``video.py``), or None (the processor's own video path);
+    ``video_seconds``: whether a video also gives ``second_per_grid_ts [videos]`` = temporal_patch_size / fps
+    (its positions space temporal patches by it), from the record's ``fps`` (refused without it)."""
 
     model_type: str
     image_text: str
@@ -40,6 +42,7 @@ class VlmFamily:
     videos: bool = True
     no_videos: str = ""
     encode_video: Callable[[Any, list[Any], str], dict[str, Any]] | None = None
+    video_seconds: bool = False
 
 
 def _qwen2_vl_rope_index(model: Any) -> Callable[..., Any]:
@@ -60,15 +63,13 @@ QWEN2_VL = VlmFamily(
 )
 FAMILIES: dict[str, VlmFamily] = {
     "qwen2_vl": QWEN2_VL,
-    # Qwen2.5-VL: Qwen2-VL's tokens and images; its videos' temporal positions need second_per_grid_ts, which
-    # the processor derives from the video's fps, which a list of frame files does not carry
+    # Qwen2.5-VL: Qwen2-VL's tokens, images and video layout; its videos' temporal positions need
+    # second_per_grid_ts, from the record's fps
     "qwen2_5_vl": replace(
         QWEN2_VL,
         model_type="qwen2_5_vl",
-        videos=False,
-        encode_video=None,
-        no_videos="its mRoPE spaces a video's frames by second_per_grid_ts, from the video's fps, which a list "
-        "of frame files does not carry",
+        vision_keys=(*QWEN2_VL.vision_keys, "second_per_grid_ts"),
+        video_seconds=True,
     ),
 }
 
