@@ -432,3 +432,56 @@ def test_mixed_images_and_videos_under_sp_equal_one_process(dist_pool):
     assert len(calls[0]) == len(calls[1]) == 6, calls
     for rank in calls:
         assert all(n > 0 for n in rank) and all(n % 16 == 0 for n in rank[1::2]), calls
+
+
+def qwen2_5_vl_videos_sp_and_single(folder: str) -> list[tuple[float, float]]:
+    """A tiny Qwen2.5-VL (tests/test_vlm_data.py's) on mixed.jsonl with fps 2 (rows of 128): each row's loss
+    under SeqParVisionLM on this pool's ranks and through the plain HF forward."""
+    import json as _json
+
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    import ds_seqpar
+    from ds_seqpar.cli.vlm import (
+        PackedVlmDataset,
+        collate_vlm,
+        family_of,
+        hf_inputs,
+        position_function,
+        read_vlm_data,
+        vlm_dataloader,
+    )
+
+    data = ROOT / "assets" / "vlm_data"
+    lines = [_json.loads(x) for x in (data / "mixed.jsonl").read_text().splitlines()]
+    for x in lines:  # absolute paths: the file is written elsewhere
+        x["images"] = [str(data / f) for f in x.get("images", [])]
+        x["videos"] = [[str(data / f) for f in v] for v in x.get("videos", [])]
+        x.update({"fps": 2} if x["videos"] else {})
+    path = Path(folder) / f"mixed_{dist.get_rank()}.jsonl"
+    path.write_text("".join(_json.dumps(x) + "\n" for x in lines))
+    config = AutoConfig.from_pretrained(folder)
+    records = read_vlm_data(str(path), folder, config, 128)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    rows = PackedVlmDataset(records, 128, position_function(family_of(config), model), 0)
+    with torch.no_grad():  # the plain model first: the wrapper replaces its attention
+        single = [model(**hf_inputs(collate_vlm([rows[i]]))).loss.item() for i in range(len(rows))]
+    mesh = ds_seqpar.SeqParMesh.from_config({"size": dist.get_world_size()}, model.config)
+    loss_fn = ds_seqpar.SeqParVisionLM(model, mesh)
+    loader = vlm_dataloader(rows, mesh, 1, shuffle=False, pad_token_id=0)
+    with torch.no_grad():
+        sp = [loss_fn(**batch).item() for batch in loader]
+    return list(zip(sp, single, strict=True))
+
+
+def test_qwen2_5_vl_videos_under_sp_equal_one_process(dist_pool, tmp_path):
+    """Qwen2.5-VL rows with images and videos (second_per_grid_ts from the records' fps) on 2 gloo ranks give
+    the plain model's loss of each row within 1e-5."""
+    from tests.test_vlm_data import _tiny_qwen2_5_vl
+
+    folder = _tiny_qwen2_5_vl(tmp_path)
+    for rep in dist_pool(2).run(qwen2_5_vl_videos_sp_and_single, folder):
+        assert len(rep) == 2, rep
+        for sp, single in rep:
+            assert abs(sp - single) <= 1e-5 * abs(single), rep
