@@ -3,7 +3,8 @@
 Run once: ``.venv/bin/python assets/make_vlm_data.py``. The files it writes are committed. Images are
 coloured shapes on black (56 x 56 = 4 image tokens, 84 x 84 = 9); videos are 4 frames of 56 x 56 of a white
 square that moves one way (2 x 2 x 2 video tokens). ``train.jsonl``: 16 records with images (and 2 text
-only); ``videos.jsonl``: 4 records with videos (they need torchvision, transformers' video processor does).
+only); ``videos.jsonl``: 4 records with videos; ``mixed.jsonl``: 6 image records, the 4 video records between
+them, and one record with an image and a video.
 The record format is docs/multimodal_data.md's.
 """
 
@@ -74,9 +75,21 @@ def video_records() -> list[dict]:
     return records
 
 
+def mixed_records(images: list[dict], videos: list[dict]) -> list[dict]:
+    both = {"prompt": "<image> <video> the picture , then the video . ", "text": "it moves right .",
+            "images": ["img/red_square.png"], "videos": videos[0]["videos"]}  # fmt: skip
+    return [r for pair in zip(images[:4], videos) for r in pair] + images[4:6] + [both]
+
+
 def main() -> None:
     (OUT / "img").mkdir(parents=True, exist_ok=True)
-    for name, records in (("train.jsonl", image_records()), ("videos.jsonl", video_records())):
+    images, videos = image_records(), video_records()
+    files = (
+        ("train.jsonl", images),
+        ("videos.jsonl", videos),
+        ("mixed.jsonl", mixed_records(images, videos)),
+    )
+    for name, records in files:
         with open(OUT / name, "w", encoding="utf-8") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in records)
 

@@ -372,3 +372,116 @@ def test_vlm_example_under_sp_equals_one_process(dist_pool):
 def test_vlm_example_runs_under_torchrun():
     cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "examples/vlm.py", "--max-steps", "4"]
     assert len(_launch_losses(run_launcher(cmd, cwd=str(ROOT)), "examples/vlm.py: 4 steps")) == 4
+
+
+def video_sp_and_single(names: tuple[str, ...], steps: int) -> dict[str, tuple]:
+    """examples/vlm.py's training on ``names`` (files of assets/vlm_data with videos, rows of 128) under SeqParVisionLM on
+    this pool's ranks and in one process, and the patch rows each call of the vision tower's patch embedding
+    got on this rank under SP."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    example = load_example("vlm")
+    out = {}
+    for name in names:
+        args = example.parse(
+            [
+                "--data",
+                str(ROOT / "assets" / "vlm_data" / name),
+                "--seq-len",
+                "128",
+                "--max-steps",
+                str(steps),
+            ]
+        )
+        rows: list[int] = []
+
+        def count(module, inputs, rows=rows):
+            if type(module).__name__ == "PatchEmbed":
+                rows.append(int(inputs[0].shape[0]))
+
+        handle = register_module_forward_pre_hook(count)
+        try:
+            sp = example.train(args, sp=True)[0]
+        finally:
+            handle.remove()
+        out[name] = (sp, example.train(args, sp=False)[0], rows)
+    return out
+
+
+def _check_sp(reports: list[dict], name: str) -> None:
+    sp, single, _ = reports[0][name]
+    for a, b in zip(sp, single, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (name, sp, single)
+
+
+def test_videos_under_sp_equal_one_process(dist_pool):
+    """One AdamW step on 2 gloo ranks of the 4 videos packed into one row gives the plain model's loss in one
+    process within 1e-5; the tower's 8 temporal patches of (1, 4, 4) = 16 rows go 4 to each rank."""
+    reports = dist_pool(2).run(video_sp_and_single, ("videos.jsonl",), 1)
+    _check_sp(reports, "videos.jsonl")
+    assert [r["videos.jsonl"][2] for r in reports] == [[64], [64]]
+
+
+def test_mixed_images_and_videos_under_sp_equal_one_process(dist_pool):
+    """3 AdamW steps on 2 gloo ranks of mixed.jsonl (rows of 128 with images and videos) give the plain model's
+    losses within 1e-5; each step calls the tower on the images, then on the videos, whose rows are shared
+    by the ranks in whole temporal patches of 16 rows."""
+    reports = dist_pool(2).run(video_sp_and_single, ("mixed.jsonl",), 3)
+    _check_sp(reports, "mixed.jsonl")
+    calls = [r["mixed.jsonl"][2] for r in reports]
+    assert len(calls[0]) == len(calls[1]) == 6, calls
+    for rank in calls:
+        assert all(n > 0 for n in rank) and all(n % 16 == 0 for n in rank[1::2]), calls
+
+
+def qwen2_5_vl_videos_sp_and_single(folder: str) -> list[tuple[float, float]]:
+    """A tiny Qwen2.5-VL (tests/test_vlm_data.py's) on mixed.jsonl with fps 2 (rows of 128): each row's loss
+    under SeqParVisionLM on this pool's ranks and through the plain HF forward."""
+    import json as _json
+
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    import ds_seqpar
+    from ds_seqpar.cli.vlm import (
+        PackedVlmDataset,
+        collate_vlm,
+        family_of,
+        hf_inputs,
+        position_function,
+        read_vlm_data,
+        vlm_dataloader,
+    )
+
+    data = ROOT / "assets" / "vlm_data"
+    lines = [_json.loads(x) for x in (data / "mixed.jsonl").read_text().splitlines()]
+    for x in lines:  # absolute paths: the file is written elsewhere
+        x["images"] = [str(data / f) for f in x.get("images", [])]
+        x["videos"] = [[str(data / f) for f in v] for v in x.get("videos", [])]
+        x.update({"fps": 2} if x["videos"] else {})
+    path = Path(folder) / f"mixed_{dist.get_rank()}.jsonl"
+    path.write_text("".join(_json.dumps(x) + "\n" for x in lines))
+    config = AutoConfig.from_pretrained(folder)
+    records = read_vlm_data(str(path), folder, config, 128)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    rows = PackedVlmDataset(records, 128, position_function(family_of(config), model), 0)
+    with torch.no_grad():  # the plain model first: the wrapper replaces its attention
+        single = [model(**hf_inputs(collate_vlm([rows[i]]))).loss.item() for i in range(len(rows))]
+    mesh = ds_seqpar.SeqParMesh.from_config({"size": dist.get_world_size()}, model.config)
+    loss_fn = ds_seqpar.SeqParVisionLM(model, mesh)
+    loader = vlm_dataloader(rows, mesh, 1, shuffle=False, pad_token_id=0)
+    with torch.no_grad():
+        sp = [loss_fn(**batch).item() for batch in loader]
+    return list(zip(sp, single, strict=True))
+
+
+def test_qwen2_5_vl_videos_under_sp_equal_one_process(dist_pool, tmp_path):
+    """Qwen2.5-VL rows with images and videos (second_per_grid_ts from the records' fps) on 2 gloo ranks give
+    the plain model's loss of each row within 1e-5."""
+    from tests.test_vlm_data import _tiny_qwen2_5_vl
+
+    folder = _tiny_qwen2_5_vl(tmp_path)
+    for rep in dist_pool(2).run(qwen2_5_vl_videos_sp_and_single, folder):
+        assert len(rep) == 2, rep
+        for sp, single in rep:
+            assert abs(sp - single) <= 1e-5 * abs(single), rep

@@ -137,6 +137,12 @@ REFUSALS = [
     ),
     ({"prompt": 3, "text": "a ."}, SeqParConfigError, "field 'prompt' must be a string"),
     ({"text": "<video> a .", "videos": [[]]}, SeqParConfigError, "has no frame"),
+    ({"text": "a .", "fps": 2}, SeqParConfigError, "field 'fps' must be a number > 0"),
+    (
+        {"text": "<video> a .", "videos": [[IMG]], "fps": 0},
+        SeqParConfigError,
+        "field 'fps' must be a number > 0",
+    ),
     (
         {"text": "<image> " + "red " * 300, "images": [IMG]},
         SeqParConfigError,
@@ -168,17 +174,10 @@ def test_refusals_of_the_file_and_the_family(config, tmp_path):
         read_vlm_data(str(DATA / "train.jsonl"), MODEL, llama, 256)
 
 
-def test_videos_without_torchvision_are_refused_by_name(config):
-    from transformers.utils import is_torchvision_available
-
-    if is_torchvision_available():
-        records = read_vlm_data(str(DATA / "videos.jsonl"), MODEL, config, 256)
-        assert all(r.vision["video_grid_thw"].tolist() == [[2, 4, 4]] for r in records)
-        return
-    with pytest.raises(
-        SeqParConfigError, match=r"videos.jsonl:1: a record with videos.*pip install torchvision"
-    ):
-        read_vlm_data(str(DATA / "videos.jsonl"), MODEL, config, 256)
+def test_videos_are_read_without_torchvision(config):
+    """Videos go through the image processor (tests/test_vlm_video.py checks the layout), torchvision or not."""
+    records = read_vlm_data(str(DATA / "videos.jsonl"), MODEL, config, 256)
+    assert all(r.vision["video_grid_thw"].tolist() == [[2, 4, 4]] for r in records)
 
 
 TRAIN = ["--data", str(DATA / "train.jsonl"), "--seq-len", "256", "--max-steps", "2"]
@@ -246,7 +245,12 @@ def test_refusals_of_unreadable_images_and_unpacked_processor_outputs(config, tm
 
 def _tiny_qwen2_5_vl(folder: Path) -> str:
     """The shipped tiny Qwen2-VL's tokenizer and image processor with a Qwen2.5-VL config and processor class."""
-    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "preprocessor_config.json",
+        "video_preprocessor_config.json",
+    ):
         shutil.copy(Path(MODEL) / name, folder / name)
     config = json.loads((Path(MODEL) / "config.json").read_text())
     config.update(model_type="qwen2_5_vl", architectures=["Qwen2_5_VLForConditionalGeneration"])
@@ -284,7 +288,44 @@ def test_qwen2_5_vl_images_pack_like_each_record_alone_and_videos_are_refused(tm
         packed = model(**hf_inputs(collate_vlm([data[0], data[1]]))).loss
         alone = reference_loss(model, records)
     assert abs(packed.item() - alone.item()) <= 1e-5 * abs(alone.item()), (packed.item(), alone.item())
-    with pytest.raises(
-        SeqParConfigError, match=r"videos.jsonl:1: a record with videos; model_type 'qwen2_5_vl'"
-    ):
+    with pytest.raises(SeqParConfigError, match=r"videos.jsonl:1: a record with videos and no 'fps'"):
         read_vlm_data(str(DATA / "videos.jsonl"), path, config, 256)
+
+
+def test_qwen2_5_vl_videos_with_fps_space_temporal_patches_and_pack_like_each_record_alone(tmp_path):
+    """Qwen2.5-VL videos: the record's fps gives second_per_grid_ts = 2 / fps; the video tokens' temporal
+    positions step by tokens_per_second * 2 / fps; packed rows of mixed.jsonl (fps 2 on every line) give each
+    record's own rope index and loss."""
+    path = _tiny_qwen2_5_vl(tmp_path)
+    config = AutoConfig.from_pretrained(path)
+    lines = [json.loads(x) for x in (DATA / "mixed.jsonl").read_text().splitlines()]
+    for x in lines:  # absolute paths: the file is written elsewhere
+        x["images"] = [str(DATA / f) for f in x.get("images", [])]
+        x["videos"] = [[str(DATA / f) for f in v] for v in x.get("videos", [])]
+        x.update({"fps": 2} if x["videos"] else {})
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    records = read_vlm_data(str(tmp_path / "mixed.jsonl"), path, config, 128)
+    rec = records[1]
+    assert rec.vision["second_per_grid_ts"].tolist() == [1.0]
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    keys = ("video_grid_thw", "second_per_grid_ts")
+    pos, _ = model.model.get_rope_index(
+        rec.input_ids[None], mm_token_type_ids=rec.mm_token_type_ids[None], **{k: rec.vision[k] for k in keys}
+    )
+    step = int(config.vision_config.tokens_per_second)  # * 2 / fps = 1 second a temporal patch
+    assert pos[0, 0, 1:9].tolist() == [1] * 4 + [1 + step] * 4
+    data = PackedVlmDataset(records, 128, position_function(family_of(config), model))
+    for r, row in enumerate(data.rows):
+        start = 0
+        for i in row:
+            grids = {k: v for k, v in records[i].vision.items() if k.endswith("grid_thw") or k == keys[1]}
+            own, _ = model.model.get_rope_index(
+                records[i].input_ids[None], mm_token_type_ids=records[i].mm_token_type_ids[None], **grids
+            )
+            assert torch.equal(data[r]["position_ids"][:, start : start + len(records[i])], own[:, 0])
+            start += len(records[i])
+    with torch.no_grad():
+        packed = model(**hf_inputs(collate_vlm([data[i] for i in range(len(data))]))).loss
+        alone = reference_loss(model, records)
+    assert abs(packed.item() - alone.item()) <= 1e-5 * abs(alone.item()), (packed.item(), alone.item())

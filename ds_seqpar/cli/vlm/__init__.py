@@ -63,7 +63,7 @@ def read_vlm_data(path: str, model_path: str, config: Any, seq_len: int) -> list
     fix) an unsupported family, a bad record, a missing file, and a record longer than ``seq_len``."""
     family = family_of(config)
     processor, videos = load_processor(model_path)
-    encoder = VlmEncoder(processor, family, config, videos_supported=videos)
+    encoder = VlmEncoder(processor, family, config, videos_supported=videos, model_path=model_path)
     encoded = [encoder.encode(record) for record in read_records(path)]
     pack_indices([len(r) for r in encoded], seq_len, [r.where for r in encoded])
     return encoded

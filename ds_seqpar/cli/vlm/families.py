@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ds_seqpar.cli.vlm.video import qwen2_vl_video
 from ds_seqpar.errors import SeqParConfigError
 
 # processor outputs of one token each, [1, L]
@@ -25,7 +26,11 @@ class VlmFamily:
     concatenated over the records of a row along dim 0; ``reserved``: the family's token strings a record
     may not write itself (it writes ``<image>`` / ``<video>``); ``rope_index``: the model -> its
     ``get_rope_index`` (mRoPE families, positions ``[3, 1, L]`` per record) or None (``arange(L)``);
-    ``videos``: whether records with videos are read (False: refused by name, with ``no_videos`` the reason)."""
+    ``videos``: whether records with videos are read (False: refused by name, with ``no_videos`` the reason);
+    ``encode_video``: ``(image_processor, frames, where) -> {pixel_values_videos, video_grid_thw}``, a video
+    built from its frames without torchvision (``video.py``), or None (the processor's own video path);
+    ``video_seconds``: whether a video also gives ``second_per_grid_ts [videos]`` = temporal_patch_size / fps
+    (its positions space temporal patches by it), from the record's ``fps`` (refused without it)."""
 
     model_type: str
     image_text: str
@@ -36,6 +41,8 @@ class VlmFamily:
     rope_index: Callable[[Any], Callable[..., Any]] | None
     videos: bool = True
     no_videos: str = ""
+    encode_video: Callable[[Any, list[Any], str], dict[str, Any]] | None = None
+    video_seconds: bool = False
 
 
 def _qwen2_vl_rope_index(model: Any) -> Callable[..., Any]:
@@ -52,17 +59,17 @@ QWEN2_VL = VlmFamily(
     vision_keys=("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"),
     reserved=("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"),
     rope_index=_qwen2_vl_rope_index,
+    encode_video=qwen2_vl_video,
 )
 FAMILIES: dict[str, VlmFamily] = {
     "qwen2_vl": QWEN2_VL,
-    # Qwen2.5-VL: Qwen2-VL's tokens and images; its videos' temporal positions need second_per_grid_ts, which
-    # the processor derives from the video's fps, which a list of frame files does not carry
+    # Qwen2.5-VL: Qwen2-VL's tokens, images and video layout; its videos' temporal positions need
+    # second_per_grid_ts, from the record's fps
     "qwen2_5_vl": replace(
         QWEN2_VL,
         model_type="qwen2_5_vl",
-        videos=False,
-        no_videos="its mRoPE spaces a video's frames by second_per_grid_ts, from the video's fps, which a list "
-        "of frame files does not carry",
+        vision_keys=(*QWEN2_VL.vision_keys, "second_per_grid_ts"),
+        video_seconds=True,
     ),
 }
 

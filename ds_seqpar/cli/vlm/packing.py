@@ -53,7 +53,7 @@ def position_function(family: VlmFamily, model: Any) -> Callable[[EncodedRecord]
     rope_index = family.rope_index(model)
 
     def positions(rec: EncodedRecord) -> torch.Tensor:
-        grids = {k: v for k, v in rec.vision.items() if k.endswith("_grid_thw")}
+        grids = {k: v for k, v in rec.vision.items() if k.endswith("_grid_thw") or k == "second_per_grid_ts"}
         pos, _ = rope_index(rec.input_ids[None], mm_token_type_ids=rec.mm_token_type_ids[None], **grids)
         return pos[:, 0]
 

@@ -22,20 +22,22 @@ from typing import Any
 from ds_seqpar.errors import MissingFileError, SeqParConfigError
 
 IMAGE, VIDEO = "<image>", "<video>"
-FIELDS = ("text", "prompt", "images", "videos")
+FIELDS = ("text", "prompt", "images", "videos", "fps")
 EXAMPLE = '{"prompt": "<image> what is in the picture ?", "text": "a red square .", "images": ["img/a.png"]}'
 
 
 @dataclass(frozen=True)
 class VlmRecord:
     """One record: ``where`` (``file:line``), prompt (``""`` if none), text, and the absolute paths of its
-    images and of each video's frames, in placeholder order."""
+    images and of each video's frames, in placeholder order; ``fps``: frames per second of the listed frames
+    of every video of the record, or None."""
 
     where: str
     prompt: str
     text: str
     images: tuple[str, ...]
     videos: tuple[tuple[str, ...], ...]
+    fps: float | None = None
 
 
 def has_vision(path: str) -> bool:
@@ -112,7 +114,15 @@ def _record(record: dict[str, Any], where: str, folder: str) -> VlmRecord:
                 f"{where}: {both.count(token)} {token} placeholders in prompt + text but {len(files)} {name}; "
                 f"fix: one {token} per entry of {name!r}, at the place the model should see it"
             )
-    return VlmRecord(where, prompt, text, images, frames)
+    fps = record.get("fps")
+    if fps is not None and (
+        isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0 or not frames
+    ):
+        raise SeqParConfigError(
+            f"{where}: field 'fps' must be a number > 0 (frames per second of the listed frames) on a record with "
+            f"videos, got {fps!r}"
+        )
+    return VlmRecord(where, prompt, text, images, frames, None if fps is None else float(fps))
 
 
 def _paths(value: Any, where: str, folder: str, video: bool = False) -> tuple[str, ...]:
