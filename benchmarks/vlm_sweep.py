@@ -143,7 +143,10 @@ CAUSES = (
     ("passed [", "the VLM passes its language model an input ds_seqpar cannot cut to this rank's tokens"),
     ("image block mask", "image tokens attend to each other bidirectionally (token_type_ids)"),
     ("use_bidirectional_attention='vision'", "image tokens attend to each other bidirectionally (Gemma 4)"),
-    ("sees later tokens", "the model's own mask lets tokens see later tokens (the mask probe: a bidirectional connector)"),
+    (
+        "sees later tokens",
+        "the model's own mask lets tokens see later tokens (the mask probe: a bidirectional connector)",
+    ),
     (
         "not one of the routed DSA layers",
         "DeepSeek sparse attention (index_topk) in a layer without a DSA adapter",
