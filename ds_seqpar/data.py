@@ -285,6 +285,22 @@ def seqpar_dataloader(
     then sharded along the sequence by ``SeqParCollator`` (``whole``: keys passed on unsharded). Call ``loader.sampler.set_epoch(e)``
     each epoch when shuffling. ``loader_kwargs`` (``num_workers``, ``pin_memory``, ...) go to the DataLoader.
     """
+    collate = SeqParCollator(mesh, collate_fn, pad_token_id, objective, whole)
+    return dp_dataloader(dataset, mesh, batch_size, collate, shuffle, seed, drop_last, **loader_kwargs)
+
+
+def dp_dataloader(
+    dataset: Dataset,
+    mesh: SeqParMesh,
+    batch_size: int,
+    collate_fn: Callable[[Sequence[Any]], dict[str, Any]],
+    shuffle: bool,
+    seed: int,
+    drop_last: bool,
+    **loader_kwargs: Any,
+) -> DataLoader:
+    """A DataLoader whose sampler splits ``dataset`` over the ``mesh.dp_size`` data-parallel replicas only (every
+    SP rank of a group reads the same samples); ``collate_fn`` makes this rank's batch."""
     sampler = DistributedSampler(
         dataset,
         num_replicas=mesh.dp_size,
@@ -297,7 +313,7 @@ def seqpar_dataloader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
-        collate_fn=SeqParCollator(mesh, collate_fn, pad_token_id, objective, whole),
+        collate_fn=collate_fn,
         drop_last=drop_last,
         **loader_kwargs,
     )

@@ -9,10 +9,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Subset
 
 from ds_seqpar.cli.vlm.packing import IGNORE_INDEX, collate_vlm
 from ds_seqpar.cli.vlm.sharding import shard_vlm_batch
+from ds_seqpar.data import dp_dataloader
 from ds_seqpar.mesh import SeqParMesh
 
 
@@ -37,21 +38,7 @@ def vlm_dataloader(
     drop_last: bool = True,
 ) -> DataLoader:
     """Training batches of ``dataset`` (``PackedVlmDataset`` rows) for this rank; ``set_epoch`` as usual."""
-    sampler = DistributedSampler(
-        dataset,
-        num_replicas=mesh.dp_size,
-        rank=mesh.coords.dp_rank,
-        shuffle=shuffle,
-        seed=seed,
-        drop_last=drop_last,
-    )
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        collate_fn=VlmCollator(mesh, pad_token_id),
-        drop_last=drop_last,
-    )
+    return dp_dataloader(dataset, mesh, batch_size, VlmCollator(mesh, pad_token_id), shuffle, seed, drop_last)
 
 
 class VlmEvenShares:
