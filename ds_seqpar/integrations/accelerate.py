@@ -126,15 +126,5 @@ def accelerate_prepare(
     return (
         engine,
         optimizer,
-        sharding_loader(
-            train_dataset,
-            mesh,
-            ds_config,
-            collate_fn,
-            shuffle,
-            seed,
-            pad_token_id,
-            wrapped.objective,
-            wrapped.whole_inputs,
-        ),
+        sharding_loader(train_dataset, wrapped, ds_config, collate_fn, shuffle, seed, pad_token_id),
     )

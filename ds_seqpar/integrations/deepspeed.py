@@ -157,17 +157,7 @@ def initialize(
         mpu=mesh.mpu(),
         **deepspeed_kwargs,
     )
-    loader = sharding_loader(
-        training_data,
-        mesh,
-        ds_config,
-        collate_fn,
-        shuffle,
-        seed,
-        pad_token_id,
-        wrapped.objective,
-        wrapped.whole_inputs,
-    )
+    loader = sharding_loader(training_data, wrapped, ds_config, collate_fn, shuffle, seed, pad_token_id)
     engine.seqpar_mesh = mesh
     return engine, opt, loader, sched
 
@@ -196,30 +186,28 @@ def wrap_for_training(
 
 def sharding_loader(
     dataset: Any,
-    mesh: SeqParMesh,
+    wrapped: SeqParCausalLM,
     ds_config: dict[str, Any],
     collate_fn: Callable[..., dict[str, Any]] | None,
     shuffle: bool,
     seed: int,
     pad_token_id: int,
-    objective: str = "causal",
-    whole: tuple[str, ...] = (),
 ) -> Any:
-    """The sharding DataLoader over ``dataset`` at the config's micro batch (None without a dataset); ``whole``:
-    the batch keys passed on unsharded (the wrapper's ``whole_inputs``)."""
+    """The sharding DataLoader over ``dataset`` for the model wrapper ``wrapped`` (its mesh, its objective, its
+    ``whole_inputs`` passed on unsharded) at the config's micro batch (None without a dataset)."""
     if dataset is None:
         return None
     micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
     return seqpar_dataloader(
         dataset,
-        mesh,
+        wrapped.mesh,
         micro,
         collate_fn=collate_fn,
         shuffle=shuffle,
         seed=seed,
         pad_token_id=pad_token_id,
-        objective=objective,
-        whole=whole,
+        objective=wrapped.objective,
+        whole=wrapped.whole_inputs,
     )
 
 
