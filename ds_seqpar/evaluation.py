@@ -44,6 +44,8 @@ class EvenShares:
         batch_size: samples per batch and replica.
         collate_fn: the samples' collator (default: stack equal-length samples).
         pad_token_id, objective: as ``ds_seqpar.seqpar_dataloader``.
+        collator: instead of the three above, a collator that makes this rank's batch from samples itself
+            (multimodal rows: ``ds_seqpar/cli/vlm/loaders.py``).
         loader_kwargs: more DataLoader arguments (``num_workers``, ``pin_memory``).
     """
 
@@ -56,6 +58,7 @@ class EvenShares:
         collate_fn: Callable[[Sequence[Any]], dict[str, Any]] | None = None,
         pad_token_id: int = 0,
         objective: str = "causal",
+        collator: Callable[[Sequence[Any]], dict[str, Any]] | None = None,
         **loader_kwargs: Any,
     ) -> None:
         size = len(dataset)
@@ -65,7 +68,7 @@ class EvenShares:
                 "least one sample and a batch size >= 1; valid: a non-empty eval set"
             )
         self.dataset = dataset
-        self.collator = SeqParCollator(mesh, collate_fn, pad_token_id, objective)
+        self.collator = collator or SeqParCollator(mesh, collate_fn, pad_token_id, objective)
         dp, rank = mesh.dp_size, mesh.coords.dp_rank
         self.own = list(range(rank, size, dp))
         self.num_batches = math.ceil(math.ceil(size / dp) / batch_size)

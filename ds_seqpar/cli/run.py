@@ -38,7 +38,7 @@ from ds_seqpar.cli.heldout import heldout_dataset
 from ds_seqpar.cli.log import RunLog, memory_metrics, sparse_metrics
 from ds_seqpar.cli.run_dir import check_output_dir, training_flags
 from ds_seqpar.cli.vlm.cli import copy_processor_files
-from ds_seqpar.cli.vlm.loaders import VlmEvenShares, vlm_dataloader
+from ds_seqpar.cli.vlm.loaders import vlm_dataloader, vlm_even_shares
 
 __all__ = ["main", "max_seq_len_search", "memory_report"]
 
@@ -153,7 +153,7 @@ def _start(args: argparse.Namespace) -> _Run:
         )  # fmt: skip
 
     eval_loader = (
-        VlmEvenShares(eval_set, mesh, micro, pad)  # multimodal rows: cli/vlm/loaders.py
+        vlm_even_shares(eval_set, mesh, micro, pad)  # multimodal rows: cli/vlm/loaders.py
         if args.vlm_records is not None
         else _eval_loader(eval_set, mesh, micro, pad, engine.module.objective)
     )

@@ -4,16 +4,16 @@ reads the same rows (the sampler splits over the dp replicas only), and each bat
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader
 
-from ds_seqpar.cli.vlm.packing import IGNORE_INDEX, collate_vlm
+from ds_seqpar.cli.vlm.packing import collate_vlm
 from ds_seqpar.cli.vlm.sharding import shard_vlm_batch
 from ds_seqpar.data import dp_dataloader
+from ds_seqpar.evaluation import EvenShares
 from ds_seqpar.mesh import SeqParMesh
 
 
@@ -41,28 +41,8 @@ def vlm_dataloader(
     return dp_dataloader(dataset, mesh, batch_size, VlmCollator(mesh, pad_token_id), shuffle, seed, drop_last)
 
 
-class VlmEvenShares:
-    """Evaluation batches (what ``ds_seqpar.evaluation.EvenShares`` is for text): row i on dp replica
-    ``i % dp``, each row once, the same number of batches on every replica (a replica short of rows runs row 0
-    with every label -100, which counts for nothing)."""
-
-    def __init__(self, dataset: Any, mesh: SeqParMesh, batch_size: int, pad_token_id: int = 0) -> None:
-        self.dataset, self.collator = dataset, VlmCollator(mesh, pad_token_id)
-        own = list(range(mesh.coords.dp_rank, len(dataset), mesh.dp_size))
-        self.num_batches = math.ceil(math.ceil(len(dataset) / mesh.dp_size) / batch_size)
-        self.loader = (
-            DataLoader(Subset(dataset, own), batch_size=batch_size, collate_fn=self.collator) if own else None
-        )
-
-    def __len__(self) -> int:
-        return self.num_batches
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        done = 0
-        for batch in self.loader or ():
-            done += 1
-            yield batch
-        for _ in range(self.num_batches - done):
-            batch = self.collator([self.dataset[0]])
-            batch["shift_labels"] = torch.full_like(batch["shift_labels"], IGNORE_INDEX)
-            yield batch
+def vlm_even_shares(dataset: Any, mesh: SeqParMesh, batch_size: int, pad_token_id: int = 0) -> EvenShares:
+    """Evaluation batches of multimodal rows (``ds_seqpar.evaluation.EvenShares`` with the rows' collator): row i
+    on dp replica ``i % dp``, each row once, the same number of batches on every replica (a replica short of
+    rows runs row 0 with every label -100, which counts for nothing)."""
+    return EvenShares(dataset, mesh, batch_size, collator=VlmCollator(mesh, pad_token_id))
