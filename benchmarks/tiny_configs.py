@@ -674,6 +674,26 @@ def _model_config(cfg: PretrainedConfig, model_cls: type) -> PretrainedConfig:
     return cfg
 
 
+def instantiate(model_cls: type, cfg: PretrainedConfig, seed: int) -> torch.nn.Module:
+    """``model_cls(cfg)`` seeded, in float32, with the sdpa attention (eager where sdpa is refused);
+    ``TinyBuildError`` naming why it cannot be built."""
+    torch.manual_seed(seed)
+    try:
+        model = model_cls(cfg)
+    except ImportError as e:
+        raise TinyBuildError(f"missing package: {_first_line(e)}") from e
+    except Exception as e:
+        raise TinyBuildError(f"cannot instantiate {model_cls.__name__}: {_first_line(e)}") from e
+    model = model.float()
+    for impl in ("sdpa", "eager"):
+        try:
+            model.set_attn_implementation(impl)
+            break
+        except Exception:
+            continue
+    return model
+
+
 def build_tiny_model(model_type: str, seed: int = 0, **sizes: int) -> torch.nn.Module:
     """A random-init float32 CPU model of ``model_type`` from ``tiny_config``, in train mode, SDPA attention."""
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
@@ -686,20 +706,7 @@ def build_tiny_model(model_type: str, seed: int = 0, **sizes: int) -> torch.nn.M
     except Exception as e:
         raise TinyBuildError(f"cannot import {class_name}: {_first_line(e)}") from e
     cfg = _model_config(tiny_config(model_type, **sizes), model_cls)
-    torch.manual_seed(seed)
-    try:
-        model = model_cls(cfg)
-    except ImportError as e:
-        raise TinyBuildError(f"missing package: {_first_line(e)}") from e
-    except Exception as e:
-        raise TinyBuildError(f"cannot instantiate {class_name}: {_first_line(e)}") from e
-    model = model.float().train()
-    for impl in ("sdpa", "eager"):
-        try:
-            model.set_attn_implementation(impl)
-            break
-        except Exception:
-            continue
+    model = instantiate(model_cls, cfg, seed).train()
     if hasattr(model, "set_default_language"):  # X-MOD routes through per-language adapters
         model.set_default_language(getattr(cfg, "default_language", None) or cfg.languages[0])
     return model

@@ -33,6 +33,7 @@ from benchmarks.tiny_configs import (
     _default_config,
     _first_line,
     _tiny_kwargs,
+    instantiate,
 )
 from ds_seqpar.integrations.vision.split_tower import TOWER_ATTRIBUTES
 
@@ -230,21 +231,7 @@ def build_tiny_vlm(model_type: str, seed: int = 0) -> torch.nn.Module:
         raise
     except Exception as e:
         raise TinyBuildError(f"tiny config: {_first_line(e)}") from e
-    torch.manual_seed(seed)
-    try:
-        model = model_cls(cfg)
-    except ImportError as e:
-        raise TinyBuildError(f"missing package: {_first_line(e)}") from e
-    except Exception as e:
-        raise TinyBuildError(f"cannot instantiate {class_name}: {_first_line(e)}") from e
-    model = model.float().eval()
-    for impl in ("sdpa", "eager"):
-        try:
-            model.set_attn_implementation(impl)
-            break
-        except Exception:
-            continue
-    return model
+    return instantiate(model_cls, cfg, seed).eval()
 
 
 # ---- the batch ------------------------------------------------------------------------------------------------
