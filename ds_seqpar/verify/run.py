@@ -75,8 +75,8 @@ def relaunch(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def run_ranks(args: argparse.Namespace) -> int:
-    """This rank's part of the comparison; rank 0 prints. Returns 0 (PASS) / 1 (FAIL); 0 on every rank when
-    the plain invocation started the ranks (rank 0 writes the verdict to ``RESULT_ENV``)."""
+    """This rank's part of the comparison; rank 0 prints. Returns 0 (PASS) / 1 (FAIL); when the plain
+    invocation started the ranks, rank 0 writes the verdict to ``RESULT_ENV`` and every rank exits 0."""
     import torch.distributed as dist
 
     rank = int(os.environ.get("RANK", "0"))
@@ -101,4 +101,11 @@ def run_ranks(args: argparse.Namespace) -> int:
     if owned:
         dist.barrier()
         dist.destroy_process_group()
-    return 0 if found.passed or result_path else 1
+    if owned and result_path:
+        # The verdict is written; a rank started by ``relaunch`` skips the interpreter's teardown, where a
+        # library thread left joinable now and then aborts the process ("terminate called without an
+        # active exception") and would turn a finished verdict into a crash.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0 if found.passed else 1
