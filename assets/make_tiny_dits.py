@@ -41,7 +41,7 @@ ASSETS = {
             "norm_type": "ada_norm_single",
             "use_additional_conditions": False,
         },
-        "scheduler": {"_class_name": "DDIMScheduler", "num_train_timesteps": 1000},
+        "scheduler": {"_class_name": "DPMSolverMultistepScheduler", "num_train_timesteps": 1000},
         "vae": {**VAE, "latent_channels": 4},
     },
     "tiny-sd3": {

@@ -26,6 +26,7 @@ from pydantic import (
 from ds_seqpar.comm.schedules import SCHEDULES
 from ds_seqpar.comm.schedules.ring import RingSpec
 from ds_seqpar.comm.schedules.startrail import BACKWARD_CHOICES
+from ds_seqpar.config.dit import DitConfig
 from ds_seqpar.config.inference import InferenceConfig
 from ds_seqpar.layout import LAYOUTS, StripeLayout, ZigzagLayout
 from ds_seqpar.ops.attention import KERNELS
@@ -301,6 +302,10 @@ class SequenceParallelConfig(_Section):
     inference: InferenceConfig = Field(
         default_factory=InferenceConfig,
         description="Long-prompt prefill: exact | apb | star and their parameters (docs/inference.md).",
+    )
+    dit: DitConfig = Field(
+        default_factory=DitConfig,
+        description="Diffusion transformers: CFG parallelism and PipeFusion beside the SP group (docs/dit.md).",
     )
     linear: LinearConfig = Field(
         default_factory=LinearConfig, description="Linear-attention layers (linear and hybrid models)."

@@ -6,6 +6,7 @@ from ds_seqpar.integrations.dit.attention import (
     AttentionSite,
     register_attention_site,
 )
+from ds_seqpar.integrations.dit.cfg import CfgParallel
 from ds_seqpar.integrations.dit.hooks import DitParallel, is_dit
 from ds_seqpar.integrations.dit.plans import (
     DIT_PLANS,
@@ -21,6 +22,7 @@ __all__ = [
     "DIT_PLANS",
     "AttentionCall",
     "AttentionSite",
+    "CfgParallel",
     "DitParallel",
     "GatherOutput",
     "SplitInput",
