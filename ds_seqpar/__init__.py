@@ -17,6 +17,8 @@ Public API (more arrives with the attention, data and engine modules):
   conv1d those layers run first, with its halo from the neighbouring ranks; :func:`register_recurrent_layer`:
   route a new recurrent layer family (class -> forward).
 * :class:`RankShapeError`: the ranks of an SP group passed inputs of different shapes (each rank's named).
+* :func:`register_dit_plan` / :func:`register_dit_attention`: where a diffusion transformer's token streams
+  are split and how an attention processor computes attention (docs/dit.md).
 * :func:`register_schedule` / :func:`register_layout` / :func:`register_kernel` /
   :func:`register_sparse_kernel`: plug a new ring schedule, token layout or block kernel into the
   registries the config, the engine and the byte model read (docs/architecture.md).
@@ -49,6 +51,11 @@ from ds_seqpar.integrations import apb_prefill as _apb_prefill  # noqa: F401 - r
 from ds_seqpar.integrations.attention_layers import register_attention_layer
 from ds_seqpar.integrations.causal_lm import SeqParCausalLM, SeqParMaskedLM
 from ds_seqpar.integrations.deepspeed import initialize, install_deepspeed_guard, sequence_parallel_scope
+from ds_seqpar.integrations.dit import (
+    SeqParDiT,
+    register_dit_attention,
+    register_dit_plan,
+)
 from ds_seqpar.integrations.generation import GenerateOutput, generate
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
 from ds_seqpar.integrations.logprobs import TokenLogprobs, token_logprobs
@@ -99,6 +106,7 @@ __all__ = [
     "SeqParCausalLM",
     "SeqParCollator",
     "SeqParConfigError",
+    "SeqParDiT",
     "SeqParMaskedLM",
     "SeqParMesh",
     "SeqParSeq2SeqLM",
@@ -132,6 +140,8 @@ __all__ = [
     "prefill",
     "prefill_memory_estimate",
     "register_attention_layer",
+    "register_dit_attention",
+    "register_dit_plan",
     "register_kernel",
     "register_layout",
     "register_prefill_mode",

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ds_seqpar.comm.team import TeamComm
 from ds_seqpar.config import SECTION, SeqParConfigError, load_config
 from ds_seqpar.integrations.deepspeed import init_distributed
-from ds_seqpar.integrations.dit import CfgParallel, DitParallel, plan_of
+from ds_seqpar.integrations.dit import CfgParallel, DitParallel, dit_section, plan_of
 from ds_seqpar.mesh import SeqParMesh
 
 __all__ = ["DitRun", "parallelize"]
@@ -60,14 +60,6 @@ def _team(world: int, size: int, stages: int, cfg: int, axis: str) -> tuple[Any,
     return mine
 
 
-def _dit_section(section: Any) -> Any:
-    """The section with ``ring.layout = "contiguous"`` unless the user chose one (bidirectional attention gains
-    nothing from a causal balance, and the contiguous layout takes any piece length)."""
-    if "layout" in section.ring.model_fields_set:
-        return section
-    return section.model_copy(update={"ring": section.ring.model_copy(update={"layout": "contiguous"})})
-
-
 def parallelize(pipe: Any, config: str | os.PathLike[str] | dict[str, Any]) -> DitRun:
     """Install the config's parallelism on ``pipe.transformer`` (or on a transformer given directly)."""
     transformer = getattr(pipe, "transformer", pipe)
@@ -96,7 +88,7 @@ def parallelize(pipe: Any, config: str | os.PathLike[str] | dict[str, Any]) -> D
             "text + image attention, which PipeFusion does not pipeline; valid: pipefusion.degree=1 (SP / CFG)"
         )
     init_distributed(section.fault_timeout_s)
-    section = _dit_section(section)
+    section = dit_section(section)
     mesh = SeqParMesh.from_config(section, transformer.config)
     stages, cfg = dit.pipefusion.degree, dit.cfg_parallel
     run = DitRun(mesh, None, None)

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from ds_seqpar.config import SECTION, SeqParConfigError, load_config
 from ds_seqpar.data import seqpar_dataloader
 from ds_seqpar.integrations.causal_lm import SeqParCausalLM, SeqParMaskedLM
+from ds_seqpar.integrations.dit import SeqParDiT, dit_section, is_dit
 from ds_seqpar.integrations.hf_model import objective_of, unwrap_hf_model
 from ds_seqpar.integrations.parallelism_config import install_trainer_guard
 from ds_seqpar.integrations.vision import SeqParVisionLM, is_vision_lm
@@ -143,6 +144,8 @@ def initialize(
             f"{SECTION}.enabled is false; call deepspeed.initialize with the config instead of ds_seqpar.initialize"
         )
     init_distributed(section.fault_timeout_s)
+    if is_dit(model):
+        section = dit_section(section)
     mesh = SeqParMesh.from_config(section, getattr(model, "config", None))  # validates before any collective
     _avoid_jit_optimizer(ds_config)
     wrapped = wrap_for_training(model, mesh, ds_config, loss_chunk_size)
@@ -170,7 +173,7 @@ def wrap_for_training(
     cls: type | None = None,
 ) -> SeqParCausalLM:
     """``SeqParCausalLM(model)`` (``SeqParMaskedLM`` for a masked-LM model, see ``objective_of``;
-    ``SeqParSeq2SeqLM`` for an encoder-decoder; ``SeqParVisionLM`` for a vision-language model; ``cls`` when given) with the gradient factor of the config's
+    ``SeqParSeq2SeqLM`` for an encoder-decoder; ``SeqParVisionLM`` for a vision-language model; ``SeqParDiT`` for a diffusers transformer; ``cls`` when given) with the gradient factor of the config's
     ZeRO stage (``sp_grad_scale``)."""
     from ds_seqpar.integrations.seq2seq import SeqParSeq2SeqLM
 
@@ -181,6 +184,8 @@ def wrap_for_training(
             cls = SeqParVisionLM
         if getattr(getattr(unwrap_hf_model(model), "config", None), "is_encoder_decoder", False):
             cls = SeqParSeq2SeqLM
+        if is_dit(model):
+            cls = SeqParDiT
     return cls(model, mesh, grad_scale=grad_scale, loss_chunk_size=loss_chunk_size)
 
 
@@ -198,6 +203,8 @@ def sharding_loader(
     if dataset is None:
         return None
     micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
+    if isinstance(wrapped, SeqParDiT):
+        return wrapped.loader(dataset, micro, collate_fn, shuffle, seed)
     return seqpar_dataloader(
         dataset,
         wrapped.mesh,

@@ -4,10 +4,10 @@ from ds_seqpar.integrations.dit.attention import (
     ATTENTION_RULES,
     AttentionCall,
     AttentionSite,
-    register_attention_site,
+    register_dit_attention,
 )
 from ds_seqpar.integrations.dit.cfg import CfgParallel
-from ds_seqpar.integrations.dit.hooks import DitParallel, is_dit
+from ds_seqpar.integrations.dit.hooks import DitParallel, dit_section, is_dit
 from ds_seqpar.integrations.dit.plans import (
     DIT_PLANS,
     GatherOutput,
@@ -16,6 +16,7 @@ from ds_seqpar.integrations.dit.plans import (
     plan_of,
     register_dit_plan,
 )
+from ds_seqpar.integrations.dit.training import SeqParDiT
 
 __all__ = [
     "ATTENTION_RULES",
@@ -25,10 +26,12 @@ __all__ = [
     "CfgParallel",
     "DitParallel",
     "GatherOutput",
+    "SeqParDiT",
     "SplitInput",
     "TokenPlan",
+    "dit_section",
     "is_dit",
     "plan_of",
-    "register_attention_site",
+    "register_dit_attention",
     "register_dit_plan",
 ]

@@ -28,7 +28,7 @@ __all__ = [
     "AttentionCall",
     "AttentionSite",
     "SeqParAttnProcessor",
-    "register_attention_site",
+    "register_dit_attention",
 ]
 
 
@@ -49,7 +49,7 @@ class AttentionSite:
 ATTENTION_RULES: dict[str, AttentionSite] = {}
 
 
-def register_attention_site(processor_class: str, site: AttentionSite) -> None:
+def register_dit_attention(processor_class: str, site: AttentionSite) -> None:
     """Serve processors of class ``processor_class`` through ``site`` (``ds_seqpar.register_dit_attention``)."""
     if site.name not in _SWAPS:
         raise ValueError(f"AttentionSite.name={site.name!r} is not one of {sorted(_SWAPS)}")

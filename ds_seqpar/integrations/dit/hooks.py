@@ -23,7 +23,7 @@ from ds_seqpar.integrations.hf_model import UnsupportedModelError
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.parallel.usp import attention as sp_attention
 
-__all__ = ["DitParallel", "is_dit"]
+__all__ = ["DitParallel", "dit_section", "is_dit"]
 
 Backend = Callable[[AttentionCall, "DitParallel"], torch.Tensor]
 
@@ -33,6 +33,14 @@ def is_dit(model: torch.nn.Module) -> bool:
     return any(c.__module__.startswith("diffusers.") for c in type(model).__mro__) and any(
         hasattr(m, "processor") for m in model.modules()
     )
+
+
+def dit_section(section: Any) -> Any:
+    """The section with ``ring.layout = "contiguous"`` unless the user chose one (bidirectional attention gains
+    nothing from a causal balance, and the contiguous layout takes any piece length)."""
+    if "layout" in section.ring.model_fields_set:
+        return section
+    return section.model_copy(update={"ring": section.ring.model_copy(update={"layout": "contiguous"})})
 
 
 def _check_ndim(owner: str, key: str | int, x: Any, ndim: int | None) -> None:

@@ -45,6 +45,15 @@ class SeqParDiT(torch.nn.Module):
         self.parallel = DitParallel(model, mesh)
         self.whole_inputs: tuple[str, ...] = ()
 
+    def loader(self, dataset: Any, micro: int, collate_fn: Any, shuffle: bool, seed: int) -> Any:
+        """Whole batches of ``micro`` examples (the transformer's keyword inputs and ``target``), the same on
+        every rank of an SP group, different per data-parallel replica."""
+        from torch.utils.data import default_collate
+
+        from ds_seqpar.data import dp_dataloader
+
+        return dp_dataloader(dataset, self.mesh, micro, collate_fn or default_collate, shuffle, seed, False)
+
     @property
     def config(self) -> Any:
         return self.model.config
