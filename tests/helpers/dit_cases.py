@@ -59,7 +59,9 @@ def transformer_vs_reference(family: str, u: int, text: int) -> dict[str, float]
     inputs = transformer_inputs(family, text, torch.float64)
     expected = ref(**inputs, return_dict=False)[0]
     expected.square().sum().backward()
-    mesh = mesh_for({"size": dist.get_world_size(), "ulysses_degree": u, "ring": {"layout": "contiguous"}}, ref.config)
+    mesh = mesh_for(
+        {"size": dist.get_world_size(), "ulysses_degree": u, "ring": {"layout": "contiguous"}}, ref.config
+    )
     parallel = DitParallel(model, mesh)
     out = model(**inputs, return_dict=False)[0]
     out.square().sum().backward()
@@ -127,7 +129,9 @@ def training_vs_reference(family: str, stage: int, u: int) -> dict[str, float]:
         "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
         "sequence_parallel": {"size": dist.get_world_size(), "ulysses_degree": u},
     }  # fmt: skip
-    engine, _, _, _ = ds_seqpar.initialize(model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
+    engine, _, _, _ = ds_seqpar.initialize(
+        model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=0.05)
+    )
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
     names = [n for n, _ in ref.named_parameters()]
     loss_err, grad_err = 0.0, 0.0
@@ -138,7 +142,11 @@ def training_vs_reference(family: str, stage: int, u: int) -> dict[str, float]:
         inputs["hidden_states"] = noisy
         ref_opt.zero_grad()
         out = ref(**inputs, return_dict=False)[0]
-        out = out.narrow(1, 0, target.shape[1]) if out.shape[1] == 2 * target.shape[1] and family == "pixart" else out
+        out = (
+            out.narrow(1, 0, target.shape[1])
+            if out.shape[1] == 2 * target.shape[1] and family == "pixart"
+            else out
+        )
         ref_loss = torch.nn.functional.mse_loss(out, target)
         ref_loss.backward()
         loss = engine(target=target, **inputs)
