@@ -18,7 +18,7 @@ from tests.helpers.dit_cases import ASSETS, FAMILIES
 
 
 def _transformer_cases(p: int) -> list[dict]:
-    out = []
+    out = [dit_cases.transformer_vs_reference("dit", u, 0) | {"case": ("dit", u)} for u in sorted({1, p})]
     for family in FAMILIES:
         for u in sorted({1, 2, p}):
             for text in (8, 7):  # 7 tokens do not divide P: the prompt stream is padded
@@ -36,6 +36,8 @@ def test_transformer_forward_and_gradients_match_one_process(dist_pool, p):
 
 def _pipeline_cases(p: int) -> list[dict]:
     sections = [{"size": p}, {"size": p, "ulysses_degree": 2}, {"size": p // 2, "dit": {"cfg_parallel": 2}}]
+    if p == 2:
+        sections = [{"size": 2}, {"size": 1, "dit": {"cfg_parallel": 2}}]
     out = []
     for family in FAMILIES:
         for section in sections:
@@ -47,8 +49,9 @@ def _pipeline_cases(p: int) -> list[dict]:
     return out
 
 
-def test_denoising_runs_match_one_process(dist_pool):
-    results = dist_pool(4).run(_pipeline_cases, 4)
+@pytest.mark.parametrize("p", [2, 4])
+def test_denoising_runs_match_one_process(dist_pool, p):
+    results = dist_pool(p).run(_pipeline_cases, p)
     for per_rank in results:
         for r in per_rank:
             assert r["latents"] <= (1e-5 if r["case"][2] == "float32" else 1e-12), r
@@ -93,6 +96,14 @@ def test_refusals_name_the_value_and_the_fix(dist_pool):
     assert "= 3 ranks, but the world has 2" in messages["world"]
     assert "pipefusion.degree=2" in messages["pipefusion_sp"] and "joint" in messages["pipefusion_sp"]
     assert "cfg_parallel=2" in messages["flux_cfg"] and "two calls" in messages["flux_cfg"]
+
+
+def test_a_model_read_from_its_cp_plan(dist_pool):
+    r = dist_pool(2).run(dit_cases.flux_through_its_cp_plan)[0]
+    assert r["out"] <= 1e-12 and r["grad"] <= 1e-12, r
+    assert (
+        "FluxTransformer2DModel._cp_plan" in r["refused"] and "does not divide the SP size 2" in r["refused"]
+    )
 
 
 def test_plans_and_loading_errors(tmp_path):

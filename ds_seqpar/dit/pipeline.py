@@ -58,7 +58,7 @@ def load_pipeline(
             components[name] = cls.from_config(config)
         elif random_init:
             torch.manual_seed(seed)
-            components[name] = cls.from_config(config)
+            components[name] = cls.from_config(config).eval()  # as from_pretrained leaves it
         else:
             components[name] = cls.from_pretrained(root / name)
         if dtype is not None and isinstance(components[name], torch.nn.Module):

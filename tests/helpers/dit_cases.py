@@ -19,6 +19,13 @@ FAMILIES = ("pixart", "sd3", "flux")
 
 
 def tiny_transformer(family: str, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+    if family == "dit":  # class-conditional DiT: no asset, built here
+        from diffusers import DiTTransformer2DModel
+
+        torch.manual_seed(0)
+        model = DiTTransformer2DModel(num_attention_heads=4, attention_head_dim=8, in_channels=4, num_layers=2,
+                                      sample_size=16, patch_size=2, num_embeds_ada_norm=10)  # fmt: skip
+        return model.to(dtype).eval()  # its label dropout draws random numbers in training mode
     pipe = load_pipeline(ASSETS / f"tiny-{family}", random_init=True, dtype=dtype)
     return pipe.transformer
 
@@ -38,6 +45,9 @@ def transformer_inputs(family: str, text: int, dtype: torch.dtype, seed: int = 1
         return dict(hidden_states=rand(2, n, 16), encoder_hidden_states=rand(2, text, 32),
                     pooled_projections=rand(2, 32), timestep=torch.tensor([0.5, 0.7], dtype=dtype),
                     img_ids=ids, txt_ids=torch.zeros(text, 3, dtype=dtype), guidance=None)  # fmt: skip
+    if family == "dit":
+        return dict(hidden_states=rand(2, 4, side, side), timestep=torch.tensor([500, 700]),
+                    class_labels=torch.tensor([1, 7]))  # fmt: skip
     inputs = dict(hidden_states=rand(2, 4, side, side), encoder_hidden_states=rand(2, text, 32),
                   timestep=torch.tensor([500, 700]))  # fmt: skip
     if family == "pixart":
@@ -164,3 +174,21 @@ def training_vs_reference(family: str, stage: int, u: int) -> dict[str, float]:
         loss_err = max(loss_err, abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
     engine.destroy()
     return {"loss": loss_err, "grad": grad_err}
+
+
+def flux_through_its_cp_plan() -> dict:
+    """Flux read from diffusers' own ``_cp_plan`` (its DIT_PLANS entry taken away): exact when the prompt
+    divides P; a prompt that needs padding is refused (the _cp_plan has no joint order)."""
+    from ds_seqpar.integrations.dit import DIT_PLANS
+
+    saved = DIT_PLANS.pop("FluxTransformer2DModel")
+    try:
+        exact = transformer_vs_reference("flux", 1, 8)
+        try:
+            transformer_vs_reference("flux", 1, 7)
+            refused = ""
+        except ds_seqpar.UnsupportedModelError as exc:
+            refused = str(exc)
+    finally:
+        DIT_PLANS["FluxTransformer2DModel"] = saved
+    return exact | {"refused": refused}

@@ -110,15 +110,17 @@ def plan_of(model: torch.nn.Module) -> TokenPlan:
     )
 
 
-def _blocks_plan(joint: bool, joint_order: tuple[str, ...] | None = None) -> TokenPlan:
+def _blocks_plan(joint: bool, joint_order: tuple[str, ...] | None = None, out: str = "proj_out") -> TokenPlan:
     inputs: dict[str | int, SplitInput] = {"hidden_states": SplitInput(1, 3)}
     if joint:
         inputs["encoder_hidden_states"] = SplitInput(1, 3)
-    return TokenPlan({"transformer_blocks.0": inputs}, {"proj_out": GatherOutput(1, 3)}, joint_order)
+    return TokenPlan({"transformer_blocks.0": inputs}, {out: GatherOutput(1, 3)}, joint_order)
 
 
 # PixArt-α / Σ and the DiT family: self-attention on the image tokens, cross-attention to the whole prompt.
 register_dit_plan("PixArtTransformer2DModel", _blocks_plan(joint=False))
+# DiT (class-conditional): self-attention only; the last projection is proj_out_2.
+register_dit_plan("DiTTransformer2DModel", _blocks_plan(joint=False, out="proj_out_2"))
 # SD3 / SD3.5 (MM-DiT): the prompt tokens are a second split stream; joint attention is cat([image, text]).
 register_dit_plan(
     "SD3Transformer2DModel", _blocks_plan(joint=True, joint_order=("hidden_states", "encoder_hidden_states"))
