@@ -27,7 +27,7 @@ from ds_seqpar.ops.sparse.block_pattern import (
     block_sparse_reference,
     estimate_block_pattern,
 )
-from ds_seqpar.ops.sparse.dit_patterns import DitPatternSpec, dit_pattern
+from ds_seqpar.ops.sparse.dit_patterns import SHIPPED, DitPatternSpec, dit_pattern, load_shipped
 from ds_seqpar.parallel.dit_balance import dit_balance_rho, plan_dit_balance
 from ds_seqpar.parallel.dit_degrees import allowed_degrees, choose_degrees
 from tests.helpers.meshes import mesh_for
@@ -252,3 +252,13 @@ def test_dbsp_balances_heads_and_choice_is_pure():
     assert allowed_degrees(4, 8, s, 16, "dbsp") == [(1, 4), (2, 2), (4, 1)]
     first = choose_degrees(pattern, 8, 4, 64)
     assert first == choose_degrees(pattern, 8, 4, 64) and first.degrees in [(1, 4), (2, 2), (4, 1)]
+
+
+def test_shipped_patterns_are_the_generator_s_and_dbsp_balances_them():
+    for name, spec in SHIPPED.items():
+        pattern = load_shipped(name)
+        assert torch.equal(pattern.mask, dit_pattern(spec).mask), name
+        for u, r in ((2, 2), (1, 4)):
+            heads = HeadPlan.build(8, 8, u)
+            plan = plan_dit_balance(pattern, StripeLayout(r, spec.block_size), 8, heads, "dbsp")
+            assert dit_balance_rho(pattern, plan, r) <= 1.05, (name, u, r)

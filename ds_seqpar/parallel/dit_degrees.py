@@ -8,6 +8,7 @@ S is a multiple of R·G), the predicted time of one fwd+bwd call is
     comm     = (Ulysses + ring elements per rank) · elem_s
                Ulysses (U-1)/U · B·n·D·(2H + 2H_kv) x 2 (q, k, v in, out back; fwd and bwd alike)
                ring    2(R-1) · B·(S/R)·k_u·D x 2   (K/V of the k_u K/V heads of a Ulysses rank)
+             + db-SP's moved blocks: 2 · (moved · G / P) · B·D·(2h_u + 2k_u) (q, k, v there, out back)
              + (when the choice differs from the mesh's) 2 · B·n·D·(H + 2H_kv) + B·n·H·D to reach its
                layout and back (``relayout`` over the SP group)
 
@@ -106,6 +107,7 @@ def predict_degrees(
     current: tuple[int, int] | None = None,
     ring_for: Callable[[int], object] | None = None,
     min_block_gain: float = 0.01,
+    block_search: int = 512,
 ) -> tuple[DegreePrediction, ...]:
     """The prediction of every allowed factorisation (module docstring). ``current``: the mesh's (U, R)
     (others pay the relayout); ``ring_for(R)``: the ring layout ``none`` keeps (default: stripes)."""
@@ -115,9 +117,13 @@ def predict_degrees(
     for u, r in allowed_degrees(sp_size, h, s, g, balancing):
         heads = HeadPlan.build(h, num_kv_heads, u)
         ring = (ring_for or (lambda rr: StripeLayout(rr, g)))(r)
-        plan = plan_dit_balance(pattern, ring, num_kv_heads, heads, balancing, min_block_gain)
+        plan = plan_dit_balance(pattern, ring, num_kv_heads, heads, balancing, min_block_gain, block_search)
         rho = dit_balance_rho(pattern, plan, r)
         elems = _comm_elements(u, r, b, s, heads, head_dim)
+        h_u, k_u = max(heads.q_counts), max(heads.kv_counts)
+        elems += (
+            2 * plan.blocks_moved * g / (u * r) * b * head_dim * (2 * h_u + 2 * k_u)
+        )  # the block relayout
         if current is not None and (u, r) != tuple(current):
             elems += 2 * b * (s / sp_size) * head_dim * (2 * h + 2 * num_kv_heads)
         compute = (rho if rho is not None else float("inf")) * kept / sp_size * cost.pair_s

@@ -33,6 +33,8 @@ class DitSparseSettings:
         min_block_gain: db-SP moves blocks away from their stripe rank only when that lowers ρ_s by more
             than this (it costs two all-to-alls over the ring); a negative value forces the balanced
             placement, without the bonus for staying on the stripe rank (tests use it).
+        block_search: swaps of two blocks that db-SP's block placement tries on ρ_s (0 = only the
+            longest-processing-time placement of the rows' work).
     """
 
     block_size: int = 64
@@ -41,6 +43,7 @@ class DitSparseSettings:
     balancing: str = "dbsp"
     degrees: str | tuple[int, int] = "mesh"
     min_block_gain: float = 0.01
+    block_search: int = 512
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -67,6 +70,11 @@ class DitSparseSettings:
         if not isinstance(self.min_block_gain, (int, float)) or self.min_block_gain != self.min_block_gain:
             raise ValueError(
                 f"DitSparseSettings.min_block_gain={self.min_block_gain!r} must be a number (e.g. 0.01)"
+            )
+
+        if not isinstance(self.block_search, int) or self.block_search < 0:
+            raise ValueError(
+                f"DitSparseSettings.block_search={self.block_search!r} must be an int >= 0 (e.g. 512)"
             )
 
     @property

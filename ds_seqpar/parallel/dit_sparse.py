@@ -130,7 +130,8 @@ def _degrees(cfg, mesh, pattern, h_kv, d, cost) -> tuple[int, int]:
         return cfg.degrees
     current = (mesh.ulysses_size, mesh.ring_size)
     return choose_degrees(pattern, h_kv, mesh.sp_size, d, balancing=cfg.balancing, cost=cost,
-                          current=current, min_block_gain=cfg.min_block_gain).degrees  # fmt: skip
+                          current=current, min_block_gain=cfg.min_block_gain,
+                          block_search=cfg.block_search).degrees  # fmt: skip
 
 
 def block_sparse_attention(
@@ -199,7 +200,9 @@ def _balanced(q, k, v, mesh, layout, pattern, cfg, doc_ids, scale) -> tuple[torc
     """Steps 3-6 on ``mesh`` (its degrees), q/k/v in ``layout``; returns out and the balancing plan."""
     h, h_kv = q.shape[2], k.shape[2]
     heads = HeadPlan.build(h, h_kv, mesh.ulysses_size)
-    plan = plan_dit_balance(pattern, layout.ring, h_kv, heads, cfg.balancing, cfg.min_block_gain)
+    plan = plan_dit_balance(
+        pattern, layout.ring, h_kv, heads, cfg.balancing, cfg.min_block_gain, cfg.block_search
+    )
     if plan.head_order is not None:
         q_index = torch.tensor(plan.head_order, device=q.device)
         kv_index = q_index[:: h // h_kv] // (h // h_kv)

@@ -22,7 +22,7 @@ import torch
 
 from ds_seqpar.ops.sparse.block_pattern import BlockPattern
 
-__all__ = ["DitPatternSpec", "dit_pattern"]
+__all__ = ["SHIPPED", "DitPatternSpec", "dit_pattern", "load_shipped"]
 
 
 @dataclass(frozen=True)
@@ -90,4 +90,25 @@ def dit_pattern(spec: DitPatternSpec) -> BlockPattern:
         score.fill_diagonal_(-2.0)
         count = min(nb, max(1, round(density * nb)))
         mask[0, h].scatter_(1, score.argsort(dim=1, stable=True)[:, :count], True)
+    return BlockPattern(mask, spec.block_size, spec.seq_len)
+
+
+SHIPPED: dict[str, DitPatternSpec] = {
+    # an image DiT at 1024 x 1024 px / patch 2 / VAE 8 -> 64 x 64 patches; 8 x 8 blocks of 64 tokens
+    "image": DitPatternSpec((1, 8, 8), 8, 64, seed=0, min_density=0.06, max_density=0.5),
+    # a video DiT: 4 latent frames of 4 x 8 blocks of 64 tokens (S = 8192)
+    "video": DitPatternSpec((4, 4, 8), 8, 64, seed=1, min_density=0.04, max_density=0.4, temporal=2.0),
+}
+"""The shipped patterns (``assets/dit_patterns/<name>.pt``, written by ``assets/make_dit_patterns.py``)."""
+
+
+def load_shipped(name: str, root: str | None = None) -> BlockPattern:
+    """The committed pattern ``name`` of ``SHIPPED`` (``assets/dit_patterns/<name>.pt``: its bool mask)."""
+    from pathlib import Path
+
+    if name not in SHIPPED:
+        raise ValueError(f"no shipped DiT pattern {name!r}; valid: {', '.join(SHIPPED)}")
+    base = Path(root) if root is not None else Path(__file__).resolve().parents[3] / "assets" / "dit_patterns"
+    spec = SHIPPED[name]
+    mask = torch.load(base / f"{name}.pt", weights_only=True)
     return BlockPattern(mask, spec.block_size, spec.seq_len)
