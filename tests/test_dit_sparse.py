@@ -168,6 +168,36 @@ def test_dit_sparse_p2(dist_pool):
     _check(cases, dist_pool(2).run(run_cases, cases))
 
 
+def run_refusals(_: object) -> list[str]:
+    """Calls refused before any collective: each rank raises on its own."""
+    mesh = mesh_for({"size": dist.get_world_size(), "ulysses_degree": 2, "ring": {"layout": "zigzag"}})
+    case = DitCase(u=2)
+    q, k, v, _ = _inputs(case, 0)
+    layout, me = ds_seqpar.input_layout(mesh), mesh.coords.sp_rank
+    ql, kl, vl = (layout.shard(t, me) for t in (q, k, v))
+    small = dit_pattern(DitPatternSpec((1, 2, 4), 4, 8))
+    bad = [
+        dict(pattern=small, budget=DitSparseSettings(8)),
+        dict(budget=DitSparseSettings(8, degrees=(3, 1))),
+        dict(budget=DitSparseSettings(8), doc_ids=torch.zeros(3, case.seq_len, dtype=torch.long)),
+        dict(budget=DitSparseSettings(48)),  # S = 128 is not a multiple of R x G = 96
+    ]
+    messages = []
+    for kw in bad:
+        with pytest.raises(ValueError) as err:
+            block_sparse_attention(ql, kl, vl, mesh=mesh, **kw)
+        messages.append(str(err.value))
+    return messages
+
+
+def test_dit_sparse_refuses_by_name(dist_pool):
+    messages = dist_pool(2).run(run_refusals, None)[0]
+    for message, word in zip(
+        messages, ("does not fit", "degrees=(3, 1)", "doc_ids", "block_size 48"), strict=True
+    ):
+        assert word in message, message
+
+
 @pytest.mark.slow
 def test_dit_sparse_p4_sweep(dist_pool):
     cases = [

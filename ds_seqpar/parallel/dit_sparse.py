@@ -34,9 +34,10 @@ from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.ops.masks import MaskSpec
 from ds_seqpar.ops.sparse.block_kernel import DIT_BLOCK_KERNEL
 from ds_seqpar.ops.sparse.block_pattern import BlockPattern, estimate_block_pattern
+from ds_seqpar.parallel.agree import check_same_inputs
 from ds_seqpar.parallel.dit_balance import DitBalancePlan, dit_balance_rho, plan_dit_balance
-from ds_seqpar.parallel.dit_degrees import DegreeCost, choose_degrees, degree_mesh
-from ds_seqpar.parallel.dit_settings import DitSparseSettings
+from ds_seqpar.parallel.dit_degrees import DegreeCost, allowed_degrees, choose_degrees, degree_mesh
+from ds_seqpar.parallel.dit_settings import BALANCINGS, DitSparseSettings
 from ds_seqpar.parallel.ring import RingPlan, check_qkv, ring_attention
 from ds_seqpar.parallel.ulysses import gather_heads, scatter_heads
 
@@ -90,7 +91,7 @@ def _check(q, k, v, mesh: SeqParMesh, cfg: DitSparseSettings, pattern, doc_ids) 
                 f"block_size={cfg.block_size}; build it for this call (or pass budget=None)"
             )
     if doc_ids is not None and (doc_ids.dim() not in (1, 2) or doc_ids.shape[-1] != seq_len
-                                or doc_ids.is_floating_point()):  # fmt: skip
+                                or doc_ids.is_floating_point() or doc_ids.shape[0] not in (q.shape[0], seq_len)):  # fmt: skip
         raise ValueError(f"{NAME}: doc_ids must be integer [S] or [B, S] with S={seq_len}; got "
                          f"{doc_ids.dtype} {tuple(doc_ids.shape)}")  # fmt: skip
     _check_degrees(cfg, mesh, h, seq_len)
@@ -99,6 +100,16 @@ def _check(q, k, v, mesh: SeqParMesh, cfg: DitSparseSettings, pattern, doc_ids) 
 
 def _check_degrees(cfg: DitSparseSettings, mesh: SeqParMesh, h: int, seq_len: int) -> None:
     p, g = mesh.sp_size, cfg.block_size
+    if cfg.degrees != "mesh" and mesh.settings.ring.schedule != "p2p":
+        raise ValueError(
+            f"DitSparseSettings.degrees={cfg.degrees!r} runs other factorisations on meshes with the p2p ring, "
+            f"but this mesh's ring.schedule is {mesh.settings.ring.schedule!r}; use degrees='mesh' or ring.schedule 'p2p'"
+        )
+    if cfg.degrees == "auto" and not allowed_degrees(p, h, seq_len, g, cfg.balancing):
+        raise ValueError(
+            f"{NAME}: degrees='auto' finds no U x R = {p} with U dividing H={h} and S={seq_len} a multiple of "
+            f"R x block_size {g}; pad S to a multiple of {p * g} or use balancing='none'"
+        )
     if isinstance(cfg.degrees, tuple):
         u, r = cfg.degrees
         if u * r != p or h % u:
@@ -113,6 +124,17 @@ def _check_degrees(cfg: DitSparseSettings, mesh: SeqParMesh, h: int, seq_len: in
             f"{NAME}: S={seq_len} is not a multiple of ring degree {rings[0]} x block_size {g} "
             f"(balancing={cfg.balancing!r}); pad S or use balancing='none'"
         )
+
+
+def _agree(q, k, v, mesh, cfg: DitSparseSettings, pattern, doc_ids) -> None:
+    """Every SP rank passed the same shapes and settings (``parallel/agree.py``: ``RankShapeError`` on every
+    rank otherwise; one all-gather the first time a mesh sees these shapes)."""
+    degrees = {"mesh": (0, 0), "auto": (-1, -1)}.get(cfg.degrees, cfg.degrees)
+    flags = (cfg.block_size, BALANCINGS.index(cfg.balancing), *degrees, int(pattern is not None))
+    mask = None if pattern is None else pattern.mask
+    check_same_inputs(mesh, NAME, ("q", "k", "v", "doc_ids", "pattern"), (q, k, v, doc_ids, mask), flags,
+                      "shard every batch with ds_seqpar.input_layout(mesh) and pass the same settings and pattern "
+                      "on every rank", ("block_size", "balancing", "U", "R", "pattern given"))  # fmt: skip
 
 
 def _estimate(q, k, mesh, seq_len, cfg, scale, doc_ids) -> BlockPattern:
@@ -162,6 +184,7 @@ def block_sparse_attention(
     """
     cfg = budget or DitSparseSettings(block_size=pattern.block_size if pattern is not None else 64)
     seq_len = _check(q, k, v, mesh, cfg, pattern, doc_ids)
+    _agree(q, k, v, mesh, cfg, pattern, doc_ids)
     scale = q.shape[3] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if pattern is None:
         pattern = _estimate(q, k, mesh, seq_len, cfg, scale, doc_ids)
