@@ -146,6 +146,7 @@ FAST_4 = [
     ),  # forced block moves
     DitCase(u=2, balancing="none", degrees=(1, 4), h_kv=2),  # another factorisation than the mesh's
     DitCase(u=1, balancing="dbsp", degrees="auto", given=False, docs=True),
+    DitCase(u=1, balancing="dbsp", degrees=(2, 2), h_kv=2, docs=True),  # stripes on another factorisation
 ]
 
 
@@ -154,7 +155,7 @@ def test_dit_sparse_p4(dist_pool):
     results = dist_pool(4).run(run_cases, cases)
     _check(cases, results)
     assert results[0][4]["moved"] > 0  # the forced block placement ran
-    assert results[0][5]["degrees"] == (1, 4)
+    assert results[0][5]["degrees"] == (1, 4) and results[0][7]["degrees"] == (2, 2)
 
 
 def test_dit_sparse_p2(dist_pool):
