@@ -11,7 +11,9 @@ Public API (more arrives with the attention, data and engine modules):
 * :func:`attention`: exact attention over the SP group (USP / Ulysses / ring, per the config);
   :func:`cross_attention`: exact cross-attention over the ring (rotate the queries or K/V, by size);
   :func:`input_layout`: the token layout the data side shards with; :func:`sparse_stats`: per-layer
-  imbalance ratio and density of ``attention: "sparse_ring"``; :func:`linear_attention`: linear
+  imbalance ratio and density of ``attention: "sparse_ring"``; :func:`block_sparse_attention`
+  (:class:`DitSparseSettings`, :func:`dit_sparse_stats`): block-sparse non-causal DiT attention, db-SP
+  balanced (docs/dit_sparse.md); :func:`linear_attention`: linear
   attention (All-Scan over the ring) for linear and hybrid models; :func:`delta_rule_attention`: the
   gated delta rule (GDN, KDA) with matrix transitions; :func:`sharded_causal_conv1d`: the short causal
   conv1d those layers run first, with its halo from the neighbouring ranks; :func:`register_recurrent_layer`:
@@ -81,6 +83,8 @@ from ds_seqpar.ops.sparse import register_sparse_kernel
 from ds_seqpar.parallel.agree import RankShapeError
 from ds_seqpar.parallel.cross import cross_attention
 from ds_seqpar.parallel.delta_scan import delta_rule_attention, sharded_causal_conv1d
+from ds_seqpar.parallel.dit_settings import DitSparseSettings
+from ds_seqpar.parallel.dit_sparse import DitSparseStats, block_sparse_attention, dit_sparse_stats
 from ds_seqpar.parallel.linear_scan import linear_attention
 from ds_seqpar.parallel.sparse_ring import SparseLayerStats, sparse_stats
 from ds_seqpar.parallel.usp import attention
@@ -94,6 +98,8 @@ __all__ = [
     "CommRegion",
     "CommStats",
     "DeepSpeedMPU",
+    "DitSparseSettings",
+    "DitSparseStats",
     "GenerateOutput",
     "LayoutError",
     "MemoryEstimate",
@@ -123,10 +129,12 @@ __all__ = [
     "__version__",
     "accelerate_prepare",
     "attention",
+    "block_sparse_attention",
     "cross_attention",
     "decode_cache_bytes",
     "delta_rule_attention",
     "disable_sequence_parallel",
+    "dit_sparse_stats",
     "enable_sequence_parallel",
     "generate",
     "initialize",

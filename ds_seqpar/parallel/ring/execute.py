@@ -362,7 +362,10 @@ class SparsePairWork(PairWork):
     def __init__(self, plan: RingPlan, seq_len: int, scale: float, rows: Rows, merged: bool) -> None:
         super().__init__(plan, seq_len, scale, rows, merged)
         _check_sparse(plan, rows.q, seq_len)
-        self.kernel = resolve_sparse_kernel(plan.sparse_kernel, rows.q.device, rows.q.dtype)
+        name = plan.sparse_kernel  # a name of the registry, or a kernel object (docs/dit_sparse.md)
+        self.kernel = (
+            resolve_sparse_kernel(name, rows.q.device, rows.q.dtype) if isinstance(name, str) else name
+        )
 
     def forward(self, k_blk: torch.Tensor, v_blk: torch.Tensor, owner: int) -> None:
         plan, q = self.plan, self.rows.q

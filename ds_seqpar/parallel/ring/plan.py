@@ -73,7 +73,8 @@ class RingPlan:
             the dense kernel per segment pair (the sparse ring, docs/sparse.md). Needs causal.
         softcap: None, or c > 0: every score s becomes c·tanh(s / c) before the softmax (Gemma 2).
         sparse_kernel: the sparse block kernel (``ops/sparse/kernels.py``: ``"auto"``, ``"triton"``,
-            ``"blocks"``, ``"masked"``); used only with ``sparse``.
+            ``"blocks"``, ``"masked"``), or a kernel object itself (the DiT block kernel,
+            ``ops/sparse/block_kernel.py``); used only with ``sparse``.
         query_layout: None (this rank's queries are ``layout``'s rank ``schedule.ring_rank``), or the
             layout of the query rows when they are not one K/V owner's (team schedules,
             ``parallel/team.py``: the rows of a team, or of a grid row); this rank's queries are then its
@@ -95,7 +96,7 @@ class RingPlan:
     work: WorkCounter | None = None
     sparse: SparsePattern | None = None
     softcap: float | None = None
-    sparse_kernel: str = "auto"
+    sparse_kernel: Any = "auto"
     query_layout: Any = None
     backward_tile: int = BACKWARD_TILE_ROWS
     alibi: torch.Tensor | None = None
@@ -108,8 +109,11 @@ class RingPlan:
             raise ValueError(
                 "a sparse (vertical-slash) ring plan cannot apply ALiBi: its kernels take no bias"
             )
-        if self.sparse is not None and not self.spec.causal:
-            raise ValueError("a sparse (vertical-slash) ring plan needs MaskSpec(causal=True)")
+        if self.sparse is not None and self.spec.causal != getattr(self.sparse, "causal", True):
+            raise ValueError(  # a vertical-slash pattern is causal, a DiT BlockPattern is not (docs/dit_sparse.md)
+                f"a sparse ring plan with a {type(self.sparse).__name__} needs MaskSpec(causal="
+                f"{getattr(self.sparse, 'causal', True)})"
+            )
         if self.query_layout is not None:
             if self.sparse is not None:
                 raise ValueError(
