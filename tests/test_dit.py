@@ -58,6 +58,26 @@ def test_denoising_runs_match_one_process(dist_pool, p):
             assert r["bytes"] > 0, r
 
 
+def _block_sparse_cases() -> list[dict]:
+    return [
+        dit_cases.block_sparse_pipeline(family, keep) | {"case": (family, keep)}
+        for family, keep in (("pixart", 1.0), ("sd3", 0.5))  # sd3: joint attention with a padded prompt
+    ]
+
+
+def test_block_sparse_attention_in_the_pipelines(dist_pool):
+    """``dit.attention: "block_sparse"``: keeping every block is dense attention (exact); keeping half changes
+    the latents (an approximation of the model) while db-SP keeps ρ_s <= 1.05 on every layer."""
+    for per_rank in dist_pool(4).run(_block_sparse_cases):
+        for r in per_rank:
+            keep = r["case"][1]
+            assert r["layers"] == 2 and r["rho"] <= 1.05, r
+            if keep == 1.0:
+                assert r["latents"] <= 1e-12 and r["density"] == 1.0, r
+            else:
+                assert 1e-6 < r["latents"] < 0.1 and abs(r["density"] - keep) < 0.05, r
+
+
 def _training_cases() -> list[dict]:
     return [
         dit_cases.training_vs_reference(family, stage, u) | {"case": (family, stage, u)}

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-__all__ = ["DitConfig", "PipeFusionConfig"]
+__all__ = ["DitConfig", "DitSparseConfig", "PipeFusionConfig"]
 
 
 class PipeFusionConfig(BaseModel):
@@ -34,6 +34,29 @@ class PipeFusionConfig(BaseModel):
     )
 
 
+class DitSparseConfig(BaseModel):
+    """``sequence_parallel.dit.sparse``: block-sparse attention with db-SP balancing (docs/dit_sparse.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    block_size: StrictInt = Field(64, ge=1, description="G, tokens per block of the pattern.")
+    keep: float | None = Field(
+        0.25, gt=0, le=1, description="Fraction of the key blocks each query block keeps (or null)."
+    )
+    threshold: float | None = Field(
+        None, gt=0, le=1, description="Cumulative block probability each query block keeps (or null)."
+    )
+    balancing: Literal["none", "stripe", "dbsp"] = Field(
+        "dbsp",
+        description="none | stripe (blocks round-robin over the ring) | dbsp (stripes + heads + blocks).",
+    )
+    degrees: Literal["mesh", "auto"] | list[StrictInt] = Field(
+        "mesh",
+        description='"mesh" (the section\'s U x R) | "auto" (per call, the U x R with the lowest predicted cost '
+        "from the pattern's ρ_s) | [U, R].",
+    )
+
+
 class DitConfig(BaseModel):
     """``sequence_parallel.dit``: CFG parallelism and PipeFusion for diffusion transformers."""
 
@@ -46,6 +69,15 @@ class DitConfig(BaseModel):
     )
     pipefusion: PipeFusionConfig = Field(
         default_factory=PipeFusionConfig, description="PipeFusion (patch pipeline over the layers)."
+    )
+    attention: Literal["dense", "block_sparse"] = Field(
+        "dense",
+        description="dense: exact attention (ds_seqpar.attention) | block_sparse: exact attention under a block "
+        "pattern estimated per call, balanced by db-SP (ds_seqpar.block_sparse_attention; settings in `sparse`).",
+    )
+    sparse: DitSparseConfig = Field(
+        default_factory=DitSparseConfig,
+        description="Block-sparse attention settings (attention='block_sparse').",
     )
 
     def stages(self) -> int:

@@ -192,3 +192,20 @@ def flux_through_its_cp_plan() -> dict:
     finally:
         DIT_PLANS["FluxTransformer2DModel"] = saved
     return exact | {"refused": refused}
+
+
+def block_sparse_pipeline(family: str, keep: float) -> dict[str, float]:
+    """An 8-step fp64 run with ``dit.attention = "block_sparse"`` (db-SP, degrees re-chosen per call) vs one
+    process with dense attention; the worst ρ_s and the mean density over the layers of the last call."""
+    from ds_seqpar.parallel.dit_sparse import dit_sparse_stats
+
+    pipe = load_pipeline(ASSETS / f"tiny-{family}", random_init=True, dtype=torch.float64)
+    expected = denoise(pipe, family, torch.float64)
+    section = {"size": dist.get_world_size(), "ulysses_degree": 2,
+               "dit": {"attention": "block_sparse", "sparse": {"block_size": 4, "keep": keep, "degrees": "auto"}}}  # fmt: skip
+    run = parallelize(pipe, {"sequence_parallel": section})
+    got = denoise(pipe, family, torch.float64)
+    stats = list(dit_sparse_stats(run.mesh).values())
+    run.remove()
+    return {"latents": _max_rel(got, expected), "rho": max(s.rho_s for s in stats),
+            "density": sum(s.density for s in stats) / len(stats), "layers": len(stats)}  # fmt: skip

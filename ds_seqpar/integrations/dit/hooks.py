@@ -3,7 +3,8 @@
 Installed in place (the pipeline keeps calling ``pipe.transformer(...)``): forward hooks from the model's
 ``TokenPlan`` split its streams (no communication) and gather the output (one all-gather per call); every
 attention processor is wrapped (``SeqParAttnProcessor``) so that self- and joint attention run through
-``attend`` — by default ``ds_seqpar.attention(causal=False)`` over the mesh (exact Ulysses x ring); another
+``attend`` — by default ``ds_seqpar.attention(causal=False)`` over the mesh (exact Ulysses x ring), or with ``sparse`` settings
+``ds_seqpar.block_sparse_attention`` (db-SP, docs/dit_sparse.md); another
 backend (PipeFusion's stale K/V) can be given. ``remove()`` restores the model.
 """
 
@@ -21,6 +22,8 @@ from ds_seqpar.integrations.dit.plans import GatherOutput, SplitInput, plan_of
 from ds_seqpar.integrations.dit.tokens import StreamCuts, gather_pieces, take_piece
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
 from ds_seqpar.mesh import SeqParMesh
+from ds_seqpar.parallel.dit_settings import DitSparseSettings
+from ds_seqpar.parallel.dit_sparse import block_sparse_attention
 from ds_seqpar.parallel.usp import attention as sp_attention
 
 __all__ = ["DitParallel", "dit_section", "is_dit"]
@@ -57,10 +60,16 @@ def _check_ndim(owner: str, key: str | int, x: Any, ndim: int | None) -> None:
 class DitParallel:
     """See the module docstring. ``mesh``: the SP group (its ``settings`` pick Ulysses x ring, kernel)."""
 
-    def __init__(self, model: torch.nn.Module, mesh: SeqParMesh, backend: Backend | None = None) -> None:
-        self.model, self.mesh, self.plan = model, mesh, plan_of(model)
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        mesh: SeqParMesh,
+        backend: Backend | None = None,
+        sparse: DitSparseSettings | None = None,
+    ) -> None:
+        self.model, self.mesh, self.plan, self.sparse = model, mesh, plan_of(model), sparse
         self.team = TeamComm(mesh.group("sp"), mesh.members["sp"], mesh.coords.sp_rank, mesh.comm_stats)
-        self.backend = backend or _sp_backend
+        self.backend = backend or (_sp_backend if sparse is None else _block_sparse_backend)
         self.cuts = StreamCuts(mesh.sp_size)
         self._handles: list[Any] = []
         self._processors: dict[str, Any] = {}
@@ -191,6 +200,18 @@ class DitParallel:
 
     def attend(self, call: AttentionCall) -> torch.Tensor:
         return self.backend(call, self)
+
+
+def _block_sparse_backend(call: AttentionCall, runtime: DitParallel) -> torch.Tensor:
+    """Exact attention under a block pattern estimated from this call's q / k, balanced by db-SP
+    (``ds_seqpar.block_sparse_attention``, docs/dit_sparse.md); per-layer statistics under the module's name."""
+    doc_ids = runtime.doc_ids(call.order)
+    if doc_ids is not None:
+        doc_ids = doc_ids.to(call.q.device)
+    return block_sparse_attention(
+        call.q, call.k, call.v, mesh=runtime.mesh, budget=runtime.sparse, doc_ids=doc_ids,
+        softmax_scale=call.scale, layer=call.name,
+    )  # fmt: skip
 
 
 def _sp_backend(call: AttentionCall, runtime: DitParallel) -> torch.Tensor:
