@@ -106,3 +106,19 @@ def sp_grad_scale(zero_stage: int, sp_size: int) -> float:
     world, so the SP ranks' shares must be multiplied by sp.
     """
     return float(sp_size) if zero_stage == 3 else 1.0
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` itself, whose gradient is multiplied by ``scale`` (DeepSpeed's reduction, ``sp_grad_scale``)."""
+    return x if scale == 1.0 else _ScaleGrad.apply(x, scale)

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ds_seqpar.comm.team import TeamComm
 from ds_seqpar.integrations.hf_model import UnsupportedModelError
-from ds_seqpar.loss import IGNORE_INDEX, Head
+from ds_seqpar.loss import IGNORE_INDEX, Head, scale_grad
 from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.settings import input_layout
 
@@ -120,19 +120,6 @@ def chunked_logprobs(
     return cols[0], (cols[1] if with_entropy else None), dict(zip(stats, cols[2:], strict=True))
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the gradient multiplied by ``scale`` (DeepSpeed's reduction, ``sp_grad_scale``)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
-
-
 class _GatherReplicated(torch.autograd.Function):
     """All-gather ``[B, n]`` -> ``[B, P·n]`` (member order); backward keeps this rank's columns (the result is
     replicated: every member computes the same function of it, so its gradient is the same everywhere)."""
@@ -173,8 +160,8 @@ def sharded_logprobs(
     ``gather`` (the batch's layout from ``doc_ids``, as ``shard_batch`` sharded it)."""
     logp, ent, extra = chunked_logprobs(hidden, labels, head, chunk_size, temperature, entropy, stats)
     if grad_scale != 1.0:
-        logp = _ScaleGrad.apply(logp, grad_scale)
-        ent = None if ent is None else _ScaleGrad.apply(ent, grad_scale)
+        logp = scale_grad(logp, grad_scale)
+        ent = None if ent is None else scale_grad(ent, grad_scale)
     if not gather or mesh.sp_size == 1:
         return TokenLogprobs(logp, ent, labels, extra)
     layout = input_layout(mesh, doc_ids)

@@ -16,20 +16,10 @@ from typing import Any
 import torch
 
 from ds_seqpar.integrations.dit.hooks import DitParallel
+from ds_seqpar.loss import scale_grad
 from ds_seqpar.mesh import SeqParMesh
 
 __all__ = ["SeqParDiT"]
-
-
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
 
 
 def _config_value(config: Any, key: str) -> Any:
@@ -75,4 +65,4 @@ class SeqParDiT(torch.nn.Module):
                 f"{tuple(target.shape)}; pass the target in the output's layout (ds_seqpar.dit.losses)"
             )
         loss = torch.nn.functional.mse_loss(out.float(), target.float())
-        return _ScaleGrad.apply(loss, self.grad_scale) if self.grad_scale != 1.0 else loss
+        return scale_grad(loss, self.grad_scale)
