@@ -110,15 +110,13 @@ def parallelize(pipe: Any, config: str | os.PathLike[str] | dict[str, Any]) -> D
     mesh = SeqParMesh.from_config(section, transformer.config)
     stages, cfg = dit.pipefusion.degree, dit.cfg_parallel
     run = DitRun(mesh, None, None)
-    cfg_group = _team(world, section.size, stages, cfg, "cfg")
-    stage_group = _team(world, section.size, stages, cfg, "stage")
     if cfg > 1:
-        run.cfg_team = TeamComm(*cfg_group, mesh.comm_stats)
+        run.cfg_team = TeamComm(*_team(world, section.size, stages, cfg, "cfg"), mesh.comm_stats)
         run.parts.append(CfgParallel(transformer, run.cfg_team, plan))
     if stages > 1:
         from ds_seqpar.integrations.dit.pipefusion import PipeFusion
 
-        run.stage_team = TeamComm(*stage_group, mesh.comm_stats)
+        run.stage_team = TeamComm(*_team(world, section.size, stages, cfg, "stage"), mesh.comm_stats)
         pf = dit.pipefusion
         run.parts.append(PipeFusion(transformer, run.stage_team, pf.patches, pf.warmup_steps))
     elif section.size > 1:
