@@ -1,0 +1,142 @@
+"""PipeFusion on gloo ranks vs one process: a short DDIM loop of a tiny PixArt (fp64), bytes = the formula.
+
+Every rank runs the single-process loop itself (the reference), then the same loop with its stage of the
+blocks under ``PipeFusion``; the final latents are compared on every rank (the output is shared, so all
+ranks step the scheduler alike).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ds_seqpar.comm.stats import CommStats
+from ds_seqpar.comm.team import TeamComm
+from ds_seqpar.integrations.dit.pipefusion import PipeFusion, patch_bounds, stage_blocks, step_bytes
+from ds_seqpar.integrations.hf_model import UnsupportedModelError
+
+B, TEXT, SIDE = 2, 10, 16  # 16x16 latent, patch 2: N = 64 image tokens
+HIDDEN, OUT_FEATURES = 64, 2 * 2 * 8  # the tiny PixArt's width C; proj_out's features F = p·p·out_channels
+
+
+def _pixart(layers: int) -> torch.nn.Module:
+    from diffusers import PixArtTransformer2DModel
+
+    torch.manual_seed(0)
+    config = dict(PixArtTransformer2DModel.load_config("assets/tiny-pixart/transformer"), num_layers=layers)
+    return PixArtTransformer2DModel.from_config(config).double().eval()
+
+
+def _denoise(model: torch.nn.Module, steps: int) -> torch.Tensor:
+    """``steps`` DDIM steps from a seeded latent ``[B, 4, SIDE, SIDE]``; the final latents."""
+    from diffusers import DDIMScheduler
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, 4, SIDE, SIDE, generator=g, dtype=torch.float64)
+    prompt = torch.randn(B, TEXT, 32, generator=g, dtype=torch.float64)
+    scheduler = DDIMScheduler.from_pretrained("assets/tiny-pixart/scheduler", clip_sample=False)
+    scheduler.set_timesteps(steps)
+    cond = {"resolution": None, "aspect_ratio": None}
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            out = model(x, encoder_hidden_states=prompt, timestep=t.expand(B), added_cond_kwargs=cond)[0]
+            x = scheduler.step(out[:, :4], t, x).prev_sample
+    return x
+
+
+def _team(stats: CommStats | None = None) -> TeamComm:
+    world = dist.get_world_size()
+    return TeamComm(dist.new_group(list(range(world))), list(range(world)), dist.get_rank(), stats)
+
+
+def run_cases(layers: int, steps: int, cases: list[tuple[int, int]]) -> list[dict]:
+    """Per (warmup_steps, patches): this rank's max abs difference from one process and bytes per step."""
+    model = _pixart(layers)
+    ref = _denoise(model, steps)
+    stats = CommStats(dist.get_rank())
+    team = _team(stats)
+    results = []
+    for warmup, patches in cases:
+        pipe = PipeFusion(model, team, patches, warmup)
+        with stats.measure() as region:
+            out = _denoise(model, steps)
+        pipe.remove()
+        results.append(
+            {
+                "err": float((out - ref).abs().max()),
+                "scale": float(ref.abs().max()),
+                "finite": bool(out.isfinite().all()),
+                "bytes": region.total_bytes,
+            }
+        )
+    return results
+
+
+def _formula(stage: int, stages: int, steps: int) -> int:
+    return steps * step_bytes(stages, B, SIDE * SIDE // 4, HIDDEN, OUT_FEATURES, 8)[stage]
+
+
+@pytest.mark.parametrize("world,layers", [(2, 3), (4, 5)])
+def test_exact_and_stale(dist_pool, world, layers):
+    steps = 4
+    cases = [(steps, 4), (steps + 1, 3), (0, 1), (2, 1), (1, 4), (2, 3)]
+    results = dist_pool(world).run(run_cases, layers, steps, cases)
+    for rank, per_rank in enumerate(results):
+        for (warmup, patches), got in zip(cases, per_rank, strict=True):
+            what = f"rank {rank} warmup {warmup} patches {patches}"
+            assert got["bytes"] == _formula(rank, world, steps), what
+            if warmup >= steps or patches == 1:  # (a), (b): exact
+                assert got["err"] <= 1e-10, (what, got)
+            else:  # (c): stale K/V after warm-up; measured max |diff| / max |ref| <= 8.0e-4 (W = 1, 2..4 stages)
+                assert got["finite"] and 1e-8 < got["err"] < 3e-3 * got["scale"], (what, got)
+
+
+def run_errors() -> list[str]:
+    """The refusals, each before any communication (the byte counter stays at 0)."""
+    from diffusers import SD3Transformer2DModel
+
+    from ds_seqpar.integrations.dit.attention import ATTENTION_RULES, SeqParAttnProcessor
+
+    stats = CommStats(dist.get_rank())
+    team, model, messages = _team(stats), _pixart(2), []
+
+    def refused(make, error=ValueError):
+        with pytest.raises(error) as caught:
+            make()
+        messages.append(str(caught.value))
+
+    refused(lambda: PipeFusion(model, team, 0, 1))
+    refused(lambda: PipeFusion(model, team, 2, -1))
+    refused(lambda: PipeFusion(_pixart(1), team, 2, 1))  # more stages than blocks
+    torch.manual_seed(0)
+    sd3 = SD3Transformer2DModel.from_config(SD3Transformer2DModel.load_config("assets/tiny-sd3/transformer"))
+    refused(lambda: PipeFusion(sd3, team, 2, 1), UnsupportedModelError)
+    attn = model.transformer_blocks[0].attn1
+    inner = attn.processor
+    attn.set_processor(SeqParAttnProcessor(inner, ATTENTION_RULES["AttnProcessor2_0"], None, "x"))
+    refused(lambda: PipeFusion(model, team, 2, 1), UnsupportedModelError)  # DitParallel inside a stage
+    attn.set_processor(inner)
+    pipe = PipeFusion(model, team, SIDE * SIDE // 4 + 1, 0)
+    refused(lambda: _denoise(model, 2))  # more patches than tokens, at the first call
+    pipe.remove()
+    pipe = PipeFusion(model, team, 2, 0)
+    refused(lambda: model(torch.randn(B, 4, SIDE, SIDE, dtype=torch.float64), timestep=torch.ones(B),
+                          encoder_hidden_states=torch.randn(B, TEXT, 32, dtype=torch.float64),
+                          added_cond_kwargs={"resolution": None, "aspect_ratio": None}), RuntimeError)  # fmt: skip
+    pipe.remove()
+    assert stats.total_bytes == 0
+    return messages
+
+
+def test_errors_before_any_collective(dist_pool):
+    messages = dist_pool(2).run(run_errors)[0]
+    for needle in ("patches=0", "warmup_steps=-1", "2 stages but", "joint attention", "already served by DitParallel",
+                   "patches=65 is more than the 64", "inference only"):  # fmt: skip
+        assert any(needle in m for m in messages), (needle, messages)
+
+
+def test_stage_and_patch_cuts():
+    assert [list(stage_blocks(5, 4, s)) for s in range(4)] == [[0, 1], [2], [3], [4]]
+    assert patch_bounds(64, 3) == [(0, 22), (22, 21), (43, 21)]
+    assert step_bytes(3, 2, 64, 8, 4, 4) == {0: 4096, 1: 4096, 2: 2 * 2048}
