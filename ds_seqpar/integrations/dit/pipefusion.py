@@ -266,7 +266,9 @@ class PipeFusion:
         for work in sends:
             work.wait()
         self.step += 1
-        return torch.cat(outs, dim=1) if last else torch.zeros_like(x)
+        return (
+            torch.cat(outs, dim=1) if last else x
+        )  # x: a stand-in, the output broadcast replaces what follows
 
     def _record(self, kind: str, sent: dict[int, int]) -> None:
         if self.team.stats is not None:
