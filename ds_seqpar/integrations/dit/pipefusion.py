@@ -228,10 +228,11 @@ class PipeFusion:
                 f"{x.shape[1]} patches"
             )
         kv = next(iter(self._kv.values()), None)
-        if kv is not None and (kv.k.shape[0], kv.k.shape[1]) != (x.shape[0], x.shape[1]):
+        if kv is not None and (kv.k.shape[0], kv.k.shape[1], kv.k.dtype) != (x.shape[0], x.shape[1], x.dtype):
             raise ValueError(
-                f"PipeFusion: step {self.step} has batch x tokens {tuple(x.shape[:2])} but the K/V buffers of the "
-                f"previous steps hold {tuple(kv.k.shape[:2])}; call reset() before a new generation"
+                f"PipeFusion: step {self.step} has batch x tokens {tuple(x.shape[:2])} in {x.dtype} but the K/V "
+                f"buffers of the previous steps hold {tuple(kv.k.shape[:2])} in {kv.k.dtype}; call reset() before a "
+                "new generation"
             )
 
     def _pipeline(self, bound: inspect.BoundArguments) -> torch.Tensor:
@@ -307,6 +308,11 @@ class PipeFusion:
         if kv is None:
             shape = (call.k.shape[0], tokens, *call.k.shape[2:])
             kv = self._kv[call.name] = _KV(call.k.new_empty(shape), call.v.new_empty(shape))
+        if (kv.k.dtype, kv.k.shape[2:]) != (call.k.dtype, call.k.shape[2:]):
+            raise ValueError(
+                f"{call.name}: K/V of dtype {call.k.dtype}, heads x dim {tuple(call.k.shape[2:])}, but the buffer of "
+                f"the previous steps holds {kv.k.dtype}, {tuple(kv.k.shape[2:])}; call reset() after changing the model"
+            )
         kv.k[:, start : start + n] = call.k
         kv.v[:, start : start + n] = call.v
         end = tokens if kv.full else start + n  # no stale K/V yet: the fresh prefix only
