@@ -117,6 +117,41 @@ def test_exact_and_stale(dist_pool, world, layers):
                 assert got["finite"] and 1e-8 < got["err"] < 3e-3 * got["scale"], (what, got)
 
 
+def run_pipeline(warmup: int, patches: int) -> float:
+    """diffusers' PixArt-alpha pipeline (CFG: batch 2, a masked prompt; 4 DDIM steps, 256 image tokens) under
+    PipeFusion: max abs difference of its final latents from the same pipeline in one process."""
+    from diffusers import AutoencoderKL, DDIMScheduler, PixArtAlphaPipeline
+
+    transformer = _pixart(4)
+    vae = AutoencoderKL.from_config(AutoencoderKL.load_config("assets/tiny-pixart/vae")).double()
+    scheduler = DDIMScheduler.from_pretrained("assets/tiny-pixart/scheduler", clip_sample=False)
+    pipe = PixArtAlphaPipeline(
+        tokenizer=None, text_encoder=None, vae=vae, transformer=transformer, scheduler=scheduler
+    )
+    g = torch.Generator().manual_seed(3)
+    prompt, negative = (torch.randn(1, TEXT, 32, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = torch.ones(1, TEXT, dtype=torch.long)
+    mask[:, 7:] = 0
+
+    def generate() -> torch.Tensor:
+        return pipe(prompt=None, negative_prompt=None, prompt_embeds=prompt, prompt_attention_mask=mask,
+                    negative_prompt_embeds=negative, negative_prompt_attention_mask=torch.ones_like(mask),
+                    num_inference_steps=4, guidance_scale=4.5, height=64, width=64, output_type="latent",
+                    generator=torch.Generator().manual_seed(5), use_resolution_binning=False).images  # fmt: skip
+
+    ref = generate()
+    fusion = PipeFusion(transformer, _team(), patches, warmup)
+    out = generate()
+    fusion.remove()
+    return float((out - ref).abs().max())
+
+
+@pytest.mark.slow
+def test_diffusers_pipeline_with_cfg_and_a_prompt_mask(dist_pool):
+    assert max(dist_pool(2).run(run_pipeline, 4, 4)) <= 1e-10  # warm-up through every step: exact
+    assert min(dist_pool(2).run(run_pipeline, 1, 4)) > 1e-8  # stale K/V from step 1 on: engaged
+
+
 def run_latents(layers: int, steps: int, warmup: int, patches: int) -> torch.Tensor:
     """The final latents under PipeFusion on this pool's ranks."""
     model = _pixart(layers)
