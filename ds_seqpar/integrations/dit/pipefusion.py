@@ -139,8 +139,7 @@ class PipeFusion:
             )
         self.blocks = blocks
         self.mine = stage_blocks(len(blocks), team.size, team.index)
-        self.step = 0
-        self._kv: dict[str, _KV] = {}
+        self.reset()
         self._patch = (0, 0, 0)  # (start, length, tokens N) of the patch running now
         self._forwards: list[Callable[..., Any]] = []
         self._processors: dict[str, Any] = {}
@@ -197,7 +196,9 @@ class PipeFusion:
 
     def reset(self) -> None:
         """Start a new generation: step 0 (warm-up again), the K/V buffers dropped."""
-        self.step, self._kv = 0, {}
+        self.step = 0
+        self._kv: dict[str, _KV] = {}
+        self._seen: tuple[int, int, torch.dtype] | None = None  # (B, N, dtype) of the steps that filled _kv
 
     # -- one step -------------------------------------------------------------------------------------------
     def _block_forward(self, index: int, forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -227,13 +228,13 @@ class PipeFusion:
                 f"PipeFusion: patches={self.patches} is more than the {x.shape[1]} image tokens; use at most "
                 f"{x.shape[1]} patches"
             )
-        kv = next(iter(self._kv.values()), None)
-        if kv is not None and (kv.k.shape[0], kv.k.shape[1], kv.k.dtype) != (x.shape[0], x.shape[1], x.dtype):
+        seen = (x.shape[0], x.shape[1], x.dtype)
+        if self._seen is not None and seen != self._seen:
             raise ValueError(
-                f"PipeFusion: step {self.step} has batch x tokens {tuple(x.shape[:2])} in {x.dtype} but the K/V "
-                f"buffers of the previous steps hold {tuple(kv.k.shape[:2])} in {kv.k.dtype}; call reset() before a "
-                "new generation"
+                f"PipeFusion: step {self.step} has batch, tokens, dtype {seen} but the K/V buffers were filled by "
+                f"steps with {self._seen}; call reset() before a new generation"
             )
+        self._seen = seen
 
     def _pipeline(self, bound: inspect.BoundArguments) -> torch.Tensor:
         """This stage's blocks on every patch of the step; the whole stack's output on the last stage."""
