@@ -117,10 +117,13 @@ def test_exact_and_stale(dist_pool, world, layers):
                 assert got["finite"] and 1e-8 < got["err"] < 3e-3 * got["scale"], (what, got)
 
 
-def run_pipeline(warmup: int, patches: int) -> float:
+def run_pipeline(warmup: int, patches: int, cfg_parallel: int = 1) -> float:
     """diffusers' PixArt-alpha pipeline (CFG: batch 2, a masked prompt; 4 DDIM steps, 256 image tokens) under
-    PipeFusion: max abs difference of its final latents from the same pipeline in one process."""
+    PipeFusion over all ranks (``cfg_parallel`` = 2: over half of them, installed by ``ds_seqpar.dit.parallelize``
+    beside CFG parallelism): max abs difference of its final latents from the same pipeline in one process."""
     from diffusers import AutoencoderKL, DDIMScheduler, PixArtAlphaPipeline
+
+    from ds_seqpar.dit import parallelize
 
     transformer = _pixart(4)
     vae = AutoencoderKL.from_config(AutoencoderKL.load_config("assets/tiny-pixart/vae")).double()
@@ -140,7 +143,15 @@ def run_pipeline(warmup: int, patches: int) -> float:
                     generator=torch.Generator().manual_seed(5), use_resolution_binning=False).images  # fmt: skip
 
     ref = generate()
-    fusion = PipeFusion(transformer, _team(), patches, warmup)
+    if cfg_parallel == 1:
+        fusion = PipeFusion(transformer, _team(), patches, warmup)
+    else:
+        stages = dist.get_world_size() // cfg_parallel
+        dit = {
+            "cfg_parallel": cfg_parallel,
+            "pipefusion": {"degree": stages, "patches": patches, "warmup_steps": warmup},
+        }
+        fusion = parallelize(pipe, {"sequence_parallel": {"size": 1, "dit": dit}})
     out = generate()
     fusion.remove()
     return float((out - ref).abs().max())
@@ -150,6 +161,13 @@ def run_pipeline(warmup: int, patches: int) -> float:
 def test_diffusers_pipeline_with_cfg_and_a_prompt_mask(dist_pool):
     assert max(dist_pool(2).run(run_pipeline, 4, 4)) <= 1e-10  # warm-up through every step: exact
     assert min(dist_pool(2).run(run_pipeline, 1, 4)) > 1e-8  # stale K/V from step 1 on: engaged
+
+
+@pytest.mark.slow
+def test_beside_cfg_parallel_through_parallelize(dist_pool):
+    """4 ranks = 2 guidance branches x 2 stages (``ds_seqpar.dit.parallelize``)."""
+    assert max(dist_pool(4).run(run_pipeline, 4, 4, 2)) <= 1e-10
+    assert min(dist_pool(4).run(run_pipeline, 1, 4, 2)) > 1e-8
 
 
 def run_latents(layers: int, steps: int, warmup: int, patches: int) -> torch.Tensor:
