@@ -8,6 +8,7 @@ from ds_seqpar.integrations.dit.attention import (
 )
 from ds_seqpar.integrations.dit.cfg import CfgParallel
 from ds_seqpar.integrations.dit.hooks import DitParallel, dit_section, is_dit
+from ds_seqpar.integrations.dit.pipefusion import PipeFusion
 from ds_seqpar.integrations.dit.plans import (
     DIT_PLANS,
     GatherOutput,
@@ -26,6 +27,7 @@ __all__ = [
     "CfgParallel",
     "DitParallel",
     "GatherOutput",
+    "PipeFusion",
     "SeqParDiT",
     "SplitInput",
     "TokenPlan",
