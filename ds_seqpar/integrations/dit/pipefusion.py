@@ -177,6 +177,7 @@ class PipeFusion:
             self._forwards.append(block.forward)
             block.forward = self._block_forward(index, block.forward)
         modules = dict(self.model.named_modules())
+        self._handles.append(self.model.register_forward_pre_hook(self._new_generation, with_kwargs=True))
         self._handles.append(modules[self._out_module].register_forward_hook(self._share_output))
         for name, (module, processor, site) in wrapped.items():
             self._processors[name] = processor
@@ -197,8 +198,21 @@ class PipeFusion:
     def reset(self) -> None:
         """Start a new generation: step 0 (warm-up again), the K/V buffers dropped."""
         self.step = 0
+        self._timestep: float | None = None
         self._kv: dict[str, _KV] = {}
         self._seen: tuple[int, int, torch.dtype] | None = None  # (B, N, dtype) of the steps that filled _kv
+
+    def _new_generation(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """A call whose timestep is above the previous call's starts a new denoising run (diffusers' loops go
+        from high to low timesteps; a repeated timestep, as Heun's second evaluation, is the same run):
+        ``reset()``, so a second image never attends to the first image's K/V."""
+        timestep = kwargs.get("timestep")
+        if not isinstance(timestep, torch.Tensor | float | int):
+            return
+        now = float(timestep.max()) if isinstance(timestep, torch.Tensor) else float(timestep)
+        if self._timestep is not None and now > self._timestep:
+            self.reset()
+        self._timestep = now
 
     # -- one step -------------------------------------------------------------------------------------------
     def _block_forward(self, index: int, forward: Callable[..., Any]) -> Callable[..., Any]:
