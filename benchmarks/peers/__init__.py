@@ -1,6 +1,6 @@
 """The peer systems of the benchmark suite: where they live and how they are put on ``sys.path``.
 
-``bash benchmarks/peers/install.sh`` installs yunchang and ring-flash-attn into ``benchmarks/.peers``;
+``bash benchmarks/peers/install.sh`` installs yunchang, ring-flash-attn, xfuser and distvae into ``benchmarks/.peers``;
 DeepSpeed (``DistributedAttention``, ALST's ``UlyssesSPAttentionHF``) comes with the main install.
 :func:`activate` prepends the flash-attn CPU shim and ``.peers`` to ``sys.path`` for this process only.
 """
@@ -8,6 +8,7 @@ DeepSpeed (``DistributedAttention``, ALST's ``UlyssesSPAttentionHF``) comes with
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import sys
 from pathlib import Path
 
@@ -15,7 +16,9 @@ HERE = Path(__file__).resolve().parent
 SITE = HERE.parent / ".peers"
 SHIM = HERE / "flash_attn_shim"
 VERSIONS = {"yunchang": "0.6.4", "ring_flash_attn": "0.1.8"}
-INSTALL_HINT = "run `bash benchmarks/peers/install.sh` (installs yunchang 0.6.4 and ring-flash-attn 0.1.8)"
+# imported only by benchmarks/peers/xfuser_dit.py, after its CPU stand-ins (xfuser does not import on CPU without them)
+LAZY_VERSIONS = {"xfuser": "0.7.0", "distvae": "0.1.0"}
+INSTALL_HINT = "run `bash benchmarks/peers/install.sh` (installs yunchang 0.6.4, ring-flash-attn 0.1.8, xfuser 0.7.0, distvae 0.1.0)"
 
 
 def activate() -> dict[str, str | None]:
@@ -34,6 +37,14 @@ def activate() -> dict[str, str | None]:
             )
         except Exception as exc:
             missing[name] = f"{name} does not import ({type(exc).__name__}: {exc}); {INSTALL_HINT}"
+    for name, version in LAZY_VERSIONS.items():
+        try:
+            found = importlib.metadata.version(name)
+            missing[name] = (
+                None if found == version else f"{name} {found} is installed, the suite pins {version}"
+            )
+        except importlib.metadata.PackageNotFoundError:
+            missing[name] = f"{name} is not installed; {INSTALL_HINT}"
     return missing
 
 
