@@ -19,6 +19,8 @@ import argparse
 import itertools
 import json
 import os
+import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -190,10 +192,11 @@ def _engine(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def _step_clock(pipe: Any) -> list[float]:
-    """Wrap the diffusers scheduler's ``step`` (inside xfuser's scheduler wrapper, whose attribute
-    writes go to the wrapped scheduler): the returned list gets a timestamp per call."""
+    """Wrap the pipeline's scheduler ``step`` (xfuser's wrapper, whose flow-match ``step`` does not call
+    the diffusers one): the returned list gets a timestamp per call. ``object.__setattr__`` because the
+    wrapper forwards attribute writes to the scheduler it wraps."""
     stamps: list[float] = []
-    sched = getattr(pipe.module.scheduler, "module", pipe.module.scheduler)
+    sched = pipe.module.scheduler
     step = sched.step
 
     def timed(*a: Any, **k: Any) -> Any:
@@ -201,7 +204,7 @@ def _step_clock(pipe: Any) -> list[float]:
         stamps.append(time.perf_counter())
         return out
 
-    sched.step = timed
+    object.__setattr__(sched, "step", timed)
     return stamps
 
 
@@ -223,20 +226,30 @@ def run_xfuser(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     out = pipe(**kwargs)
     wall = time.perf_counter() - start
+    xfuser_cpu.drain()
     sent = comm_count.delta(before)
     latents = None if out is None else out.images.detach().clone()
     return {"latents": latents, "stamps": [start, *stamps], "wall": wall, "sent": sent}
 
 
-def step_seconds(stamps: list[float], steps: int) -> list[float]:
+def step_seconds(stamps: list[float], per_step: list[int]) -> list[float]:
     """Durations of the denoising steps from ``[start, t_call_1, ...]``: step i ends at its last
-    scheduler call (calls per step = calls / steps; PipeFusion calls it once per patch)."""
-    calls = len(stamps) - 1
-    if calls == 0 or calls % steps:
+    scheduler call, ``per_step[i]`` calls per step (PipeFusion: 1 in its synchronous warmup steps, one
+    per patch after). Empty when the rank made no scheduler calls (or not that many)."""
+    if len(stamps) - 1 != sum(per_step):
         return []
-    per = calls // steps
-    ends = [stamps[0]] + [stamps[per * (i + 1)] for i in range(steps)]
+    ends, at = [stamps[0]], 0
+    for calls in per_step:
+        at += calls
+        ends.append(stamps[at])
     return [b - a for a, b in itertools.pairwise(ends)]
+
+
+def calls_per_step(args: argparse.Namespace) -> list[int]:
+    """Scheduler calls per denoising step on a rank that steps (PipeFusion's last stage, any rank else)."""
+    if args.pipefusion == 1 or args.steps <= args.warmup:
+        return [1] * args.steps
+    return [1] * args.warmup + [args.patches] * (args.steps - args.warmup)
 
 
 def _blocker(exc: BaseException) -> dict[str, Any]:
@@ -259,7 +272,7 @@ def summarise(args: argparse.Namespace, ranks: list[dict[str, Any]], ref: torch.
     final = outs[0]
     diff = (final - ref).abs().max().item()
     per_rank = [sum(b for b, _ in r["sent"].values()) / args.steps for r in ranks]
-    times = [step_seconds(r["stamps"], args.steps) for r in ranks]
+    times = [step_seconds(r["stamps"], calls_per_step(args)) for r in ranks]
     medians = [float(torch.tensor(t[1:]).median()) for t in times if len(t) > 1]
     calls: dict[str, list[int]] = {}
     for r in ranks:
@@ -299,6 +312,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--attention", choices=("sdpa", "flash"), default="sdpa", help="xfuser attention backend")
+    ap.add_argument("--hang-s", type=float, default=240.0, help="record a hang (and where) after this long")
     ap.add_argument("--out", type=Path, required=True)
     return ap.parse_args(argv)
 
@@ -308,7 +322,8 @@ def main(argv: list[str] | None = None) -> None:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     check_args(args, world)
     if rank == 0:
-        args.out.unlink(missing_ok=True)  # a stale result must not pass for this run's
+        for stale in (args.out, *args.out.parent.glob(f"{args.out.stem}.rank*.json")):
+            stale.unlink(missing_ok=True)  # a stale result must not pass for this run's
     torch.set_num_threads(1)
     ref = reference_latents(args)  # every rank: cheap, and no rank waits on another before xfuser starts
     from benchmarks.peers import activate
@@ -322,7 +337,10 @@ def main(argv: list[str] | None = None) -> None:
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "world": world,
     }
-    record["standins"] = xfuser_cpu.STANDINS
+    record["standins"] = xfuser_cpu.STANDINS + (
+        [xfuser_cpu.FLASH_STANDIN] if args.attention == "flash" else []
+    )
+    timer = _watchdog(args.hang_s, record, args.out, rank)
     try:
         mine = run_xfuser(args)
     except Exception as exc:  # a blocker: say which, where, and stop every rank (torchrun ends the group)
@@ -332,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(3)
     ranks: list[Any] = [None] * world
     dist.all_gather_object(ranks, mine)
+    timer.cancel()
     if rank == 0:
         result, final = summarise(args, ranks, ref)
         record.update(status="ok", **result)
@@ -341,6 +360,29 @@ def main(argv: list[str] | None = None) -> None:
         args.out.write_text(json.dumps(record, indent=1) + "\n")
         print(json.dumps({k: record[k] for k in ("seconds_per_step", "bytes_per_step", "max_abs_diff")}))
     dist.barrier()
+
+
+def _watchdog(seconds: float, record: dict[str, Any], out: Path, rank: int) -> threading.Timer:
+    """After ``seconds`` without finishing, record where the main thread is stuck (a hang) and exit."""
+    main_id = threading.main_thread().ident
+
+    def fire() -> None:
+        stack = traceback.extract_stack(sys._current_frames()[main_id])
+        mine = [f for f in stack if "/.peers/" in f.filename]
+        where = mine[-1] if mine else stack[-1]
+        record.update(status="blocked", rank=rank, exception=f"hang: no progress for {seconds:.0f} s")
+        record["xfuser_frame"] = (
+            f"{where.filename.split('.peers/')[-1]}:{where.lineno} ({where.name}): {where.line}"
+        )
+        record["traceback"] = traceback.format_list(stack[-12:])
+        _write_blocked(out, record)
+        print(f"[rank {rank}] xfuser hangs in this case: stuck at {record['xfuser_frame']}", flush=True)
+        os._exit(4)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def _write_blocked(out: Path, record: dict[str, Any]) -> None:

@@ -8,9 +8,9 @@ Windows, softcap and the varlen pair run on a dense fp64 computation (tests of d
 ``flash_attn`` kernel use them). It is not flash-attn: no dropout or ALiBi (those raise).
 """
 
-from flash_attn.flash_attn_interface import flash_attn_func
+from flash_attn.flash_attn_interface import flash_attn_func, flash_attn_varlen_func
 
 __version__ = (
     "2.6.3"  # the flash-attn API generation this shim follows (4-tuple forward, *_left/_right windows)
 )
-__all__ = ["flash_attn_func"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func"]

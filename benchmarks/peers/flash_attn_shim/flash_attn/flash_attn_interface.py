@@ -249,10 +249,11 @@ class _FlashAttnFunc(torch.autograd.Function):
         out, lse, _, _ = _flash_attn_forward(q, k, v, 0.0, softmax_scale, causal)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (softmax_scale, causal)
-        return out
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx: Any, dout):
+    def backward(ctx: Any, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         scale, causal = ctx.args
         dq, dk, dv, _ = _flash_attn_backward(dout, q, k, v, out, lse, None, None, None, 0.0, scale, causal)
@@ -272,11 +273,34 @@ def flash_attn_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
 ):
-    """Differentiable ``flash_attn_func`` on ``[B, S, H, D]`` tensors (CPU op underneath)."""
+    """Differentiable ``flash_attn_func`` on ``[B, S, H, D]`` tensors (CPU op underneath); with
+    ``return_attn_probs`` it returns ``(out, softmax_lse [B, H, S], None)`` as flash-attn 2.6.3 does
+    (no attention probabilities: the shim has no dropout mask to return)."""
     _refuse(dropout_p, alibi_slopes)
     if not _plain(*window_size, softcap):
         raise NotImplementedError(
             "the shim's flash_attn_func serves no window or softcap (its block functions do)"
         )
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    return _FlashAttnFunc.apply(q, k, v, scale, causal)
+    out, lse = _FlashAttnFunc.apply(q, k, v, scale, causal)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_varlen_func(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+    causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+    return_attn_probs=False, block_table=None,
+):  # fmt: skip
+    """Forward-only ``flash_attn_varlen_func`` on packed ``q [T, H, D]``, ``k, v [Tk, H_kv, D]``: out
+    ``[T, H, D]`` (with ``return_attn_probs``: ``(out, softmax_lse [H, T], None)``). Refuses gradients."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError(
+            "the CPU flash_attn shim's flash_attn_varlen_func is forward-only; "
+            "call it under torch.no_grad() (the varlen block functions have a backward)"
+        )
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    out, lse, _, _ = _flash_attn_varlen_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, scale, causal,
+        window_size[0], window_size[1], softcap, alibi_slopes,
+    )  # fmt: skip
+    return (out, lse, None) if return_attn_probs else out
