@@ -122,10 +122,13 @@ def call_kwargs(family: str, args: argparse.Namespace, guidance: float) -> dict[
     """Keyword arguments of one generation (inputs from :func:`make_inputs` plus the run's settings)."""
     kw = make_inputs(family, args.height, args.width, args.seed)
     kw.update(height=args.height, width=args.width, num_inference_steps=args.steps, output_type="latent")
+    # xfuser's Flux PipeFusion splits the joint sequence at max_sequence_length (its runtime state's
+    # max_condition_sequence_length, transformer_flux.py:207), assuming padded T5 prompts: say 8
+    kw["max_sequence_length"] = TEXT_LEN
     if family != "flux":
         kw["guidance_scale"] = guidance
     if family == "pixart":
-        kw.update(use_resolution_binning=False, max_sequence_length=TEXT_LEN, negative_prompt=None)
+        kw.update(use_resolution_binning=False, negative_prompt=None)
     return kw
 
 
