@@ -258,7 +258,7 @@ def calls_per_step(args: argparse.Namespace) -> list[int]:
 def _blocker(exc: BaseException) -> dict[str, Any]:
     """The exception and the innermost frames in xfuser (and overall) that raised it."""
     frames = traceback.extract_tb(exc.__traceback__)
-    mine = [f for f in frames if "/xfuser/" in f.filename and "/benchmarks/peers/" not in f.filename]
+    mine = [f for f in frames if "/.peers/xfuser/" in f.filename]
     where = mine[-1] if mine else frames[-1]
     inner = frames[-1]
     return {
@@ -371,7 +371,7 @@ def _watchdog(seconds: float, record: dict[str, Any], out: Path, rank: int) -> t
 
     def fire() -> None:
         stack = traceback.extract_stack(sys._current_frames()[main_id])
-        mine = [f for f in stack if "/.peers/" in f.filename]
+        mine = [f for f in stack if "/.peers/xfuser/" in f.filename]
         where = mine[-1] if mine else stack[-1]
         record.update(status="blocked", rank=rank, exception=f"hang: no progress for {seconds:.0f} s")
         record["xfuser_frame"] = (
