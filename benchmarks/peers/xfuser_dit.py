@@ -132,12 +132,17 @@ def call_kwargs(family: str, args: argparse.Namespace, guidance: float) -> dict[
     return kw
 
 
-def reference_latents(args: argparse.Namespace) -> torch.Tensor:
-    """Final latents of diffusers alone, one process (run before xfuser is imported)."""
+def reference_latents(args: argparse.Namespace) -> tuple[torch.Tensor, float]:
+    """Final latents of diffusers alone, one process (run before xfuser is imported), and its seconds
+    per step (median over steps after the first)."""
     pipe = diffusers_pipeline(args.family, args.seed)
+    stamps = _clock(pipe.scheduler)
+    kwargs = call_kwargs(args.family, args, FAMILIES[args.family][4])
+    stamps.append(time.perf_counter())  # the start; each scheduler call appends its end
     with torch.no_grad():
-        out = pipe(**call_kwargs(args.family, args, FAMILIES[args.family][4]))
-    return out.images.detach().clone()
+        out = pipe(**kwargs)
+    steps = step_seconds(stamps, [1] * args.steps)
+    return out.images.detach().clone(), float(torch.tensor(steps[1:]).median())
 
 
 def check_args(args: argparse.Namespace, world: int) -> None:
@@ -194,12 +199,11 @@ def _engine(args: argparse.Namespace) -> tuple[Any, Any]:
     return engine_config, input_config
 
 
-def _step_clock(pipe: Any) -> list[float]:
-    """Wrap the pipeline's scheduler ``step`` (xfuser's wrapper, whose flow-match ``step`` does not call
-    the diffusers one): the returned list gets a timestamp per call. ``object.__setattr__`` because the
+def _clock(sched: Any) -> list[float]:
+    """Wrap a scheduler's ``step`` (for xfuser: its wrapper, whose flow-match ``step`` does not call the
+    diffusers one): the returned list gets a timestamp per call. ``object.__setattr__`` because xfuser's
     wrapper forwards attribute writes to the scheduler it wraps."""
     stamps: list[float] = []
-    sched = pipe.module.scheduler
     step = sched.step
 
     def timed(*a: Any, **k: Any) -> Any:
@@ -222,7 +226,7 @@ def run_xfuser(args: argparse.Namespace) -> dict[str, Any]:
     pipe = getattr(xfuser, FAMILIES[args.family][3])(
         diffusers_pipeline(args.family, args.seed), engine_config
     )
-    stamps = _step_clock(pipe)
+    stamps = _clock(pipe.module.scheduler)
     kwargs = call_kwargs(args.family, args, FAMILIES[args.family][4])
     dist.barrier()
     before = comm_count.snapshot()
@@ -328,7 +332,9 @@ def main(argv: list[str] | None = None) -> None:
         for stale in (args.out, *args.out.parent.glob(f"{args.out.stem}.rank*.json")):
             stale.unlink(missing_ok=True)  # a stale result must not pass for this run's
     torch.set_num_threads(1)
-    ref = reference_latents(args)  # every rank: cheap, and no rank waits on another before xfuser starts
+    dist.init_process_group("gloo")  # xfuser's init_distributed_environment then only adds its groups
+    ref, ref_step = reference_latents(args) if rank == 0 else (None, None)  # the others wait, idle
+    dist.barrier()
     from benchmarks.peers import activate
 
     missing = {k: v for k, v in activate().items() if k in ("xfuser", "distvae", "yunchang") and v}
@@ -356,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     timer.cancel()
     if rank == 0:
         result, final = summarise(args, ranks, ref)
-        record.update(status="ok", **result)
+        record.update(status="ok", one_process_seconds_per_step=ref_step, **result)
         pt = args.out.with_suffix(".pt")
         torch.save({"latents": final, "reference": ref}, pt)
         record["latents_file"] = str(pt)
