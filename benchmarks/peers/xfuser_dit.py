@@ -59,7 +59,7 @@ def make_inputs(family: str, height: int, width: int, seed: int) -> dict[str, An
     latents [1, 4, H/2, W/2]. sd3: prompt_embeds [1, 8, 32], pooled_prompt_embeds [1, 32],
     negative_prompt_embeds [1, 8, 32], negative_pooled_prompt_embeds [1, 32], latents [1, 4, H/2, W/2].
     flux: prompt_embeds [1, 8, 32], pooled_prompt_embeds [1, 32], latents packed [1, H/4 * W/4, 16].
-    All float32 N(0, 1); ``generator`` (same seed) is passed too but unused (latents are given, eta = 0).
+    All float32 N(0, 1); ``generator`` (same seed) is passed too; the schedulers of the assets draw no noise.
     """
     if height % 4 or width % 4:
         raise ValueError(
