@@ -29,7 +29,14 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.peers import comm_count
-from benchmarks.peers.xfuser_dit import FAMILIES, call_kwargs, diffusers_pipeline, parse_args
+from benchmarks.peers.xfuser_dit import (
+    FAMILIES,
+    _clock,
+    call_kwargs,
+    diffusers_pipeline,
+    parse_args,
+    step_seconds,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmarks" / "results"
@@ -49,16 +56,24 @@ CASES = [  # (family, mode, flags); xfuser's ring needs its flash backend (serve
 
 
 def timed(pipe, args) -> tuple[torch.Tensor, float]:
+    """Final latents and seconds per step, timed as the xfuser runner does: the scheduler's ``step`` calls
+    timestamped, the median over steps 2..N (the first step pays the one-off costs)."""
     kwargs = call_kwargs(args.family, args, FAMILIES[args.family][4])
     pipe.set_progress_bar_config(disable=True)
+    stamps = _clock(pipe.scheduler)
     start = time.perf_counter()
     with torch.no_grad():
         latents = pipe(**kwargs).images
-    return latents, (time.perf_counter() - start) / args.steps
+    steps = step_seconds([start, *stamps], [1] * args.steps)
+    return latents, float(torch.tensor(steps[1:]).median())
 
 
 def run_ds_seqpar(argv: list[str]) -> None:
-    """One case under torchrun: the reference on rank 0, then ds_seqpar on every rank; rank 0 writes the JSON."""
+    """One case under torchrun: the reference on rank 0, then ds_seqpar on every rank; rank 0 writes the JSON.
+    The byte counter is installed before ds_seqpar is imported (ds_seqpar binds its collectives at import)."""
+    if "ds_seqpar" in sys.modules:
+        raise RuntimeError("dit_vs_xfuser: ds_seqpar was imported before the byte counter")
+    comm_count.install()
     from ds_seqpar.dit import parallelize
 
     args = parse_args(argv)
@@ -67,24 +82,26 @@ def run_ds_seqpar(argv: list[str]) -> None:
     rank = dist.get_rank()
     ref, ref_step = timed(diffusers_pipeline(args.family, args.seed), args) if rank == 0 else (None, None)
     dist.barrier()
-    comm_count.install()
     pipe = diffusers_pipeline(args.family, args.seed)
     section = {"size": args.ulysses * args.ring, "ulysses_degree": args.ulysses,
                "dit": {"cfg_parallel": args.cfg, "pipefusion": {"degree": args.pipefusion,
                        "patches": args.patches or 2, "warmup_steps": args.warmup}}}  # fmt: skip
     run = parallelize(pipe, {"sequence_parallel": section})
+    dist.barrier()
     comm_count.COUNTS.clear()
+    run.mesh.comm_stats.reset()
     latents, step = timed(pipe, args)
     sent = sum(b for b, _ in comm_count.COUNTS.values()) / args.steps
+    own = run.mesh.comm_stats.total_bytes / args.steps
     totals = [None] * dist.get_world_size()
-    dist.all_gather_object(totals, (sent, step))
+    dist.all_gather_object(totals, (sent, step, own))
     run.remove()
     if rank == 0:
         diff = float((latents - ref).abs().max())
         record = {"system": "ds_seqpar", "args": {k: str(v) for k, v in vars(args).items()}, "status": "ok",
-                  "seconds_per_step": max(t for _, t in totals), "one_process_seconds_per_step": ref_step,
-                  "bytes_per_step": sum(b for b, _ in totals), "max_abs_diff": diff,
-                  "max_rel_diff": diff / float(ref.abs().max())}  # fmt: skip
+                  "seconds_per_step": max(t[1] for t in totals), "one_process_seconds_per_step": ref_step,
+                  "bytes_per_step": sum(t[0] for t in totals), "commstats_bytes_per_step": sum(t[2] for t in totals),
+                  "max_abs_diff": diff, "max_rel_diff": diff / float(ref.abs().max())}  # fmt: skip
         args.out.write_text(json.dumps(record, indent=1) + "\n")
     dist.barrier()
     dist.destroy_process_group()

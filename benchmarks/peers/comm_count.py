@@ -4,7 +4,7 @@ A peer (xfuser here) calls torch's communication functions itself, so ds_seqpar'
 them; :func:`install` replaces these module attributes for the rest of the process (before the peer is
 imported, so ``from torch.distributed import x`` in the peer also gets the wrapper):
 
-* ``torch.distributed`` (and ``distributed_c10d``): ``all_reduce``, ``all_gather``, ``all_gather_into_tensor``,
+* ``torch.distributed`` (and ``distributed_c10d``): ``all_reduce``, ``all_gather``, ``all_gather_into_tensor``, ``all_gather_single``, ``reduce_scatter_single``,
   ``reduce_scatter``, ``reduce_scatter_tensor``, ``all_to_all``, ``all_to_all_single``, ``broadcast``,
   ``send``, ``isend``, ``recv``, ``irecv``, ``batch_isend_irecv``;
 * ``torch.distributed._functional_collectives``: ``all_reduce``, ``all_gather_tensor``, ``all_gather_single``,
@@ -85,8 +85,10 @@ C10D_RULES: dict[str, Callable[[dict], int]] = {
     "all_reduce": lambda a: 2 * _nbytes(a["tensor"]) * (_n(a) - 1) // _n(a),
     "all_gather": lambda a: _nbytes(a["tensor"]) * (_n(a) - 1),
     "all_gather_into_tensor": lambda a: _nbytes(a["input_tensor"]) * (_n(a) - 1),
+    "all_gather_single": lambda a: _nbytes(a["input_tensor"]) * (_n(a) - 1),  # torch >= 2.13's name
     "reduce_scatter": lambda a: _nbytes(a["input_list"]) * (_n(a) - 1) // _n(a),
     "reduce_scatter_tensor": lambda a: _nbytes(a["input"]) * (_n(a) - 1) // _n(a),
+    "reduce_scatter_single": lambda a: _nbytes(a["input"]) * (_n(a) - 1) // _n(a),
     "all_to_all": lambda a: _nbytes(a["input_tensor_list"]) - _nbytes(a["input_tensor_list"][_me(a)]),
     "all_to_all_single": lambda a: _a2a_single(a["input"], a),
     "broadcast": lambda a: _nbytes(a["tensor"]) * (_n(a) - 1) if _is_src(a) else 0,
@@ -134,7 +136,9 @@ def install() -> None:
     if _INSTALLED[0]:
         return
     for name, rule in C10D_RULES.items():
-        fn = getattr(c10d, name)
+        fn = getattr(c10d, name, None) or getattr(dist, name, None)
+        if fn is None:  # a name this torch does not have
+            continue
         _ORIG[name] = fn
         wrapped = _wrap(f"dist.{name}", fn, rule)
         setattr(c10d, name, wrapped)
