@@ -19,7 +19,7 @@ from ds_seqpar.comm.all_to_all import HeadPlan
 from ds_seqpar.layout import BlockLayout
 from ds_seqpar.layout.ring import StripeLayout
 from ds_seqpar.ops.sparse.block_pattern import BlockPattern
-from ds_seqpar.ops.sparse.block_work import dit_block_work, dit_row_work
+from ds_seqpar.ops.sparse.dit_work import dit_block_work, dit_row_work
 from ds_seqpar.ops.sparse.work import imbalance_ratio
 from ds_seqpar.parallel.sparse_ring import balance_blocks, balance_heads, block_owner
 
