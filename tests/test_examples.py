@@ -500,3 +500,12 @@ def test_dit_example_generates_like_one_process_and_trains_under_torchrun():
     done = run_launcher(cmd, cwd=str(ROOT))
     out = done.stdout + done.stderr
     assert done.returncode == 0 and out.count("examples/dit.py: step 2/2 loss") == 1, out[-4000:]
+
+
+@pytest.mark.slow
+def test_dit_sparse_attention_example_runs_under_torchrun():
+    """examples/dit_sparse_attention.py as docs/dit_sparse.md runs it (4 ranks; it checks out and dq against the
+    single-process reference itself and fails otherwise)."""
+    cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "4", "examples/dit_sparse_attention.py"]
+    done = run_launcher(cmd, cwd=str(ROOT), timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
