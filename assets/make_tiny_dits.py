@@ -60,7 +60,11 @@ ASSETS = {
             "pooled_projection_dim": 32,
             "pos_embed_max_size": 32,
         },
-        "scheduler": {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0},
+        "scheduler": {
+            "_class_name": "FlowMatchEulerDiscreteScheduler",
+            "num_train_timesteps": 1000,
+            "shift": 3.0,
+        },
         "vae": {**VAE, "latent_channels": 4},
     },
     "tiny-flux": {
@@ -77,7 +81,11 @@ ASSETS = {
             "pooled_projection_dim": 32,
             "axes_dims_rope": [4, 6, 6],
         },
-        "scheduler": {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0},
+        "scheduler": {
+            "_class_name": "FlowMatchEulerDiscreteScheduler",
+            "num_train_timesteps": 1000,
+            "shift": 1.0,
+        },
         "vae": {**VAE, "latent_channels": 4},
     },
 }
