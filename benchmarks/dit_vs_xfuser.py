@@ -12,7 +12,7 @@ One case of ds_seqpar alone (what the driver launches; the flags are those of th
 
 ds_seqpar runs the degrees through ``ds_seqpar.dit.parallelize`` with the section
 ``{"size": U·R, "ulysses_degree": U, "dit": {"cfg_parallel": C, "pipefusion": {"degree": P, "patches": M,
-"warmup_steps": W}}}``; the seconds per step are the pipeline call over the steps (rank 0 also times the
+"warmup_steps": W}}}`` (the pipefusion part only when P > 1); the seconds per step are the pipeline call over the steps (rank 0 also times the
 one-process run). Results: ``benchmarks/results/dit_vs_xfuser.{md,json}``.
 """
 
@@ -83,9 +83,14 @@ def run_ds_seqpar(argv: list[str]) -> None:
     ref, ref_step = timed(diffusers_pipeline(args.family, args.seed), args) if rank == 0 else (None, None)
     dist.barrier()
     pipe = diffusers_pipeline(args.family, args.seed)
-    section = {"size": args.ulysses * args.ring, "ulysses_degree": args.ulysses,
-               "dit": {"cfg_parallel": args.cfg, "pipefusion": {"degree": args.pipefusion,
-                       "patches": args.patches or 2, "warmup_steps": args.warmup}}}  # fmt: skip
+    dit: dict = {"cfg_parallel": args.cfg}
+    if args.pipefusion > 1:
+        dit["pipefusion"] = {
+            "degree": args.pipefusion,
+            "patches": args.patches or 2,
+            "warmup_steps": args.warmup,
+        }
+    section = {"size": args.ulysses * args.ring, "ulysses_degree": args.ulysses, "dit": dit}
     run = parallelize(pipe, {"sequence_parallel": section})
     dist.barrier()
     comm_count.COUNTS.clear()

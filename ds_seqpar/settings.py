@@ -209,6 +209,7 @@ class SeqParSettings:
     fault_timeout_s: float
     dynamic_degree: bool = False
     inference: Any = None  # the section's InferenceConfig (immutable; docs/inference.md)
+    dit: Any = None  # the section's DitConfig (immutable; docs/dit.md)
 
     @property
     def ring_degree(self) -> int:
@@ -297,6 +298,7 @@ def resolve_settings(
         fault_timeout_s=section.fault_timeout_s,
         dynamic_degree=section.dynamic_degree,
         inference=section.inference,
+        dit=section.dit,
     )
 
 

@@ -137,6 +137,35 @@ def test_plans_and_loading_errors(tmp_path):
         plan_of(torch.nn.Linear(2, 2))
 
 
+def test_dit_settings_not_honoured_are_refused_by_name():
+    from ds_seqpar.config import parse_section
+    from ds_seqpar.integrations.dit import check_dit_settings, check_no_dit_settings
+
+    heads = type("Heads", (), {"num_attention_heads": 4})()
+
+    def settings(section: dict):
+        return parse_section(section, 2).validate(heads, 2)
+
+    with pytest.raises(SeqParConfigError, match=r"dit\.sparse\.keep is set .* attention='dense'"):
+        parse_section({"size": 2, "dit": {"sparse": {"keep": 0.5}}}, 2)
+    with pytest.raises(SeqParConfigError, match=r"dit\.pipefusion\.patches is set .*degree=1"):
+        parse_section({"size": 2, "dit": {"pipefusion": {"patches": 8}}}, 2)
+    lm_features = settings(
+        {"size": 2, "attention": "sparse_ring", "memory": {"activation_checkpointing": True}}
+    )
+    with pytest.raises(
+        SeqParConfigError, match=r"attention='sparse_ring'.*memory\.activation_checkpointing=true"
+    ):
+        check_dit_settings(lm_features, "PixArtTransformer2DModel", training=False)
+    cfg = settings({"size": 1, "data_parallel_size": 2, "dit": {"cfg_parallel": 2}})
+    check_dit_settings(cfg, "PixArtTransformer2DModel", training=False)
+    with pytest.raises(SeqParConfigError, match=r"dit\.cfg_parallel=2 .* in training"):
+        check_dit_settings(cfg, "PixArtTransformer2DModel", training=True)
+    with pytest.raises(SeqParConfigError, match=r"dit sets \['cfg_parallel'\], but LlamaForCausalLM"):
+        check_no_dit_settings(cfg, "LlamaForCausalLM")
+    check_no_dit_settings(settings({"size": 2}), "LlamaForCausalLM")
+
+
 def dit_cases_split():
     from ds_seqpar.integrations.dit import SplitInput
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 __all__ = ["DitConfig", "DitSparseConfig", "PipeFusionConfig"]
 
@@ -79,6 +79,22 @@ class DitConfig(BaseModel):
         default_factory=DitSparseConfig,
         description="Block-sparse attention settings (attention='block_sparse').",
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> DitConfig:
+        key = "sequence_parallel.dit"
+        unused = [f"pipefusion.{k}" for k in sorted(self.pipefusion.model_fields_set - {"degree"})]
+        if self.pipefusion.degree > 1:
+            unused = []
+        if self.attention != "block_sparse":
+            unused += [f"sparse.{k}" for k in sorted(self.sparse.model_fields_set)]
+        if unused:
+            raise ValueError(
+                f"{key}.{unused[0]} is set but {key}.pipefusion.degree={self.pipefusion.degree} / attention="
+                f"{self.attention!r} does not use it; valid: pipefusion.degree > 1 (PipeFusion keys) or "
+                "attention='block_sparse' (sparse keys), or remove it"
+            )
+        return self
 
     def stages(self) -> int:
         return self.pipefusion.degree

@@ -23,9 +23,15 @@ import torch.distributed as dist
 from ds_seqpar.comm.team import TeamComm
 from ds_seqpar.config import SECTION, SeqParConfigError, load_config
 from ds_seqpar.integrations.deepspeed import init_distributed
-from ds_seqpar.integrations.dit import CfgParallel, DitParallel, dit_section, plan_of
+from ds_seqpar.integrations.dit import (
+    CfgParallel,
+    DitParallel,
+    check_dit_settings,
+    dit_section,
+    plan_of,
+    sparse_settings,
+)
 from ds_seqpar.mesh import SeqParMesh
-from ds_seqpar.parallel.dit_settings import DitSparseSettings
 
 __all__ = ["DitRun", "parallelize"]
 
@@ -61,16 +67,6 @@ def _team(world: int, size: int, stages: int, cfg: int, axis: str) -> tuple[Any,
     return mine
 
 
-def sparse_settings(dit: Any) -> DitSparseSettings:
-    """``DitSparseSettings`` of ``sequence_parallel.dit.sparse`` (its own checks name the bad value)."""
-    cfg = dit.sparse
-    degrees = tuple(cfg.degrees) if isinstance(cfg.degrees, list) else cfg.degrees
-    try:
-        return DitSparseSettings(cfg.block_size, cfg.keep, cfg.threshold, cfg.balancing, degrees)
-    except ValueError as exc:
-        raise SeqParConfigError(f"{SECTION}.dit.sparse: {exc}") from exc
-
-
 def parallelize(pipe: Any, config: str | os.PathLike[str] | dict[str, Any]) -> DitRun:
     """Install the config's parallelism on ``pipe.transformer`` (or on a transformer given directly)."""
     transformer = getattr(pipe, "transformer", pipe)
@@ -98,7 +94,10 @@ def parallelize(pipe: Any, config: str | os.PathLike[str] | dict[str, Any]) -> D
             f"{SECTION}.dit.pipefusion.degree={dit.pipefusion.degree}: {type(transformer).__name__} has joint "
             "text + image attention, which PipeFusion does not pipeline; valid: pipefusion.degree=1 (SP / CFG)"
         )
-    sparse = sparse_settings(dit) if dit.attention == "block_sparse" else None  # its checks, before any group
+    section = dit_section(section)
+    settings = section.validate(transformer.config, world)  # no group yet
+    check_dit_settings(settings, type(transformer).__name__, training=False)
+    sparse = sparse_settings(settings)
     if sparse is not None and (section.size == 1 or dit.pipefusion.degree > 1):
         raise SeqParConfigError(
             f"{SECTION}.dit.attention='block_sparse' with size={section.size} and pipefusion.degree="
@@ -106,7 +105,6 @@ def parallelize(pipe: Any, config: str | os.PathLike[str] | dict[str, Any]) -> D
             "valid: size >= 2 and pipefusion.degree=1, or attention='dense'"
         )
     init_distributed(section.fault_timeout_s)
-    section = dit_section(section)
     mesh = SeqParMesh.from_config(section, transformer.config)
     stages, cfg = dit.pipefusion.degree, dit.cfg_parallel
     run = DitRun(mesh, None, None)

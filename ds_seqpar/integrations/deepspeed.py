@@ -39,7 +39,7 @@ import torch.distributed as dist
 from ds_seqpar.config import SECTION, SeqParConfigError, load_config
 from ds_seqpar.data import seqpar_dataloader
 from ds_seqpar.integrations.causal_lm import SeqParCausalLM, SeqParMaskedLM
-from ds_seqpar.integrations.dit import SeqParDiT, dit_section, is_dit
+from ds_seqpar.integrations.dit import SeqParDiT, check_no_dit_settings, dit_section, is_dit
 from ds_seqpar.integrations.hf_model import objective_of, unwrap_hf_model
 from ds_seqpar.integrations.parallelism_config import install_trainer_guard
 from ds_seqpar.integrations.vision import SeqParVisionLM, is_vision_lm
@@ -186,6 +186,8 @@ def wrap_for_training(
             cls = SeqParSeq2SeqLM
         if is_dit(model):
             cls = SeqParDiT
+    if cls is not SeqParDiT:
+        check_no_dit_settings(mesh.settings, type(model).__name__)
     return cls(model, mesh, grad_scale=grad_scale, loss_chunk_size=loss_chunk_size)
 
 

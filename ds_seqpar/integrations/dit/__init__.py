@@ -7,7 +7,14 @@ from ds_seqpar.integrations.dit.attention import (
     register_dit_attention,
 )
 from ds_seqpar.integrations.dit.cfg import CfgParallel
-from ds_seqpar.integrations.dit.hooks import DitParallel, dit_section, is_dit
+from ds_seqpar.integrations.dit.hooks import (
+    DitParallel,
+    check_dit_settings,
+    check_no_dit_settings,
+    dit_section,
+    is_dit,
+    sparse_settings,
+)
 from ds_seqpar.integrations.dit.pipefusion import PipeFusion
 from ds_seqpar.integrations.dit.plans import (
     DIT_PLANS,
@@ -31,9 +38,12 @@ __all__ = [
     "SeqParDiT",
     "SplitInput",
     "TokenPlan",
+    "check_dit_settings",
+    "check_no_dit_settings",
     "dit_section",
     "is_dit",
     "plan_of",
     "register_dit_attention",
     "register_dit_plan",
+    "sparse_settings",
 ]

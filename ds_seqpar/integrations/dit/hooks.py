@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ds_seqpar.comm.team import TeamComm
+from ds_seqpar.config import SECTION, SeqParConfigError
 from ds_seqpar.integrations.dit.attention import ATTENTION_RULES, AttentionCall, SeqParAttnProcessor
 from ds_seqpar.integrations.dit.plans import GatherOutput, SplitInput, plan_of
 from ds_seqpar.integrations.dit.tokens import StreamCuts, gather_pieces, take_piece
@@ -25,8 +26,16 @@ from ds_seqpar.mesh import SeqParMesh
 from ds_seqpar.parallel.dit_settings import DitSparseSettings
 from ds_seqpar.parallel.dit_sparse import block_sparse_attention
 from ds_seqpar.parallel.usp import attention as sp_attention
+from ds_seqpar.settings import SeqParSettings
 
-__all__ = ["DitParallel", "dit_section", "is_dit"]
+__all__ = [
+    "DitParallel",
+    "check_dit_settings",
+    "check_no_dit_settings",
+    "dit_section",
+    "is_dit",
+    "sparse_settings",
+]
 
 Backend = Callable[[AttentionCall, "DitParallel"], torch.Tensor]
 
@@ -44,6 +53,61 @@ def dit_section(section: Any) -> Any:
     if "layout" in section.ring.model_fields_set:
         return section
     return section.model_copy(update={"ring": section.ring.model_copy(update={"layout": "contiguous"})})
+
+
+DIT_ATTENTIONS = ("usp", "ulysses", "ring")  # sequence_parallel.attention values a DiT honours
+
+
+def sparse_settings(settings: SeqParSettings) -> DitSparseSettings | None:
+    """``DitSparseSettings`` of ``sequence_parallel.dit.sparse`` when ``dit.attention`` is ``block_sparse``, else
+    None (its own checks name a bad value)."""
+    dit = settings.dit
+    if dit is None or dit.attention != "block_sparse":
+        return None
+    cfg = dit.sparse
+    degrees = tuple(cfg.degrees) if isinstance(cfg.degrees, list) else cfg.degrees
+    try:
+        return DitSparseSettings(cfg.block_size, cfg.keep, cfg.threshold, cfg.balancing, degrees)
+    except ValueError as exc:
+        raise SeqParConfigError(f"{SECTION}.dit.sparse: {exc}") from exc
+
+
+def check_dit_settings(settings: SeqParSettings, model_name: str, training: bool) -> None:
+    """Refuse, by name, what a diffusion transformer's run would not honour: the language-model features of the
+    section (sparse_ring, a dynamic degree, the memory savings, an approximate prefill) and, in training, CFG
+    parallelism and PipeFusion (inference only)."""
+    bad = []
+    if settings.attention not in DIT_ATTENTIONS:
+        bad.append(f"attention={settings.attention!r} (valid: {', '.join(DIT_ATTENTIONS)}; block-sparse DiT "
+                   "attention is dit.attention='block_sparse')")  # fmt: skip
+    if settings.dynamic_degree:
+        bad.append("dynamic_degree=true")
+    memory = settings.memory
+    for key in ("activation_checkpointing", "offload", "tiled_mlp", "tiled_norms"):
+        if getattr(memory, key):
+            bad.append(f"memory.{key}=true")
+    if settings.inference is not None and settings.inference.prefill != "exact":
+        bad.append(f"inference.prefill={settings.inference.prefill!r}")
+    dit = settings.dit
+    if training and dit is not None and (dit.cfg_parallel > 1 or dit.pipefusion.degree > 1):
+        bad.append(f"dit.cfg_parallel={dit.cfg_parallel} / dit.pipefusion.degree={dit.pipefusion.degree} in "
+                   "training (inference only: set both to 1)")  # fmt: skip
+    if bad:
+        raise SeqParConfigError(
+            f"{SECTION}: {model_name} is a diffusion transformer, and ds_seqpar does not apply "
+            f"{'; '.join(bad)} to it; remove them (docs/dit.md)"
+        )
+
+
+def check_no_dit_settings(settings: SeqParSettings, model_name: str) -> None:
+    """Refuse ``sequence_parallel.dit`` keys for a model that is not a diffusion transformer (they would be
+    ignored)."""
+    dit = settings.dit
+    if dit is not None and dit.model_fields_set:
+        raise SeqParConfigError(
+            f"{SECTION}.dit sets {sorted(dit.model_fields_set)}, but {model_name} is not a diffusers transformer: "
+            "those keys apply to diffusion transformers only; remove the dit part"
+        )
 
 
 def _check_ndim(owner: str, key: str | int, x: Any, ndim: int | None) -> None:

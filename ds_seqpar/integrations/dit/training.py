@@ -3,7 +3,8 @@
 The batch is whole on every SP rank (latents are small; the tokens and their attention are what SP splits):
 the transformer's keyword inputs (noisy latents as ``hidden_states``, ``timestep``, the prompt embeddings...)
 plus ``target`` (the flow-matching velocity or the noise, ``ds_seqpar.dit.losses``). The transformer runs
-with its streams split (``DitParallel``); its gathered output is the same on every rank, so is the loss
+with its streams split (``DitParallel``; ``dit.attention: block_sparse`` is honoured, CFG parallel and
+PipeFusion are refused: inference only); its gathered output is the same on every rank, so is the loss
 (mean squared error over every element; a model that predicts a variance beside each channel — PixArt,
 DiT: out_channels = 2 x in_channels — is trained on its prediction half, as diffusers' PixArt scripts do). Each rank's backward reaches the parameters through its own tokens
 only; DeepSpeed's reduction over the group (``grad_scale``, ``loss.sp_grad_scale``) sums those parts.
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ds_seqpar.integrations.dit.hooks import DitParallel
+from ds_seqpar.integrations.dit.hooks import DitParallel, check_dit_settings, sparse_settings
 from ds_seqpar.loss import scale_grad
 from ds_seqpar.mesh import SeqParMesh
 
@@ -32,7 +33,8 @@ class SeqParDiT(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, mesh: SeqParMesh, grad_scale: float = 1.0, **_: Any) -> None:
         super().__init__()
         self.model, self.mesh, self.grad_scale = model, mesh, float(grad_scale)
-        self.parallel = DitParallel(model, mesh)
+        check_dit_settings(mesh.settings, type(model).__name__, training=True)
+        self.parallel = DitParallel(model, mesh, sparse=sparse_settings(mesh.settings))
         self.whole_inputs: tuple[str, ...] = ()
 
     def loader(self, dataset: Any, micro: int, collate_fn: Any, shuffle: bool, seed: int) -> Any:
