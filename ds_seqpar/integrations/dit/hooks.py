@@ -246,10 +246,11 @@ class DitParallel:
             )
         return tuple(s for s in order if s in cuts.lengths)
 
-    def doc_ids(self, order: tuple[str, ...]) -> torch.Tensor | None:
-        """Document ids ``[S]`` in global order (``-1`` = a stream's padding), or None without padding."""
+    def doc_ids(self, order: tuple[str, ...], device: torch.device) -> torch.Tensor | None:
+        """Document ids ``[S]`` on ``device`` in global order (``-1`` = a stream's padding), or None without
+        padding; built once per (streams, lengths, device)."""
         cuts = self.cuts
-        key = (order, tuple(sorted(cuts.lengths.items())))
+        key = (order, tuple(sorted(cuts.lengths.items())), device)
         if key not in self._doc_cache:
             ids = None
             if any(cuts.lengths[s] % cuts.parts for s in order):
@@ -259,6 +260,7 @@ class DitParallel:
                 for rank in range(cuts.parts):
                     real = cuts.real_mask(order, rank)
                     ids[layout.local_positions(n * cuts.parts, rank)] = torch.where(real, 0, -1)
+                ids = ids.to(device)
             self._doc_cache[key] = ids
         return self._doc_cache[key]
 
@@ -269,9 +271,7 @@ class DitParallel:
 def _block_sparse_backend(call: AttentionCall, runtime: DitParallel) -> torch.Tensor:
     """Exact attention under a block pattern estimated from this call's q / k, balanced by db-SP
     (``ds_seqpar.block_sparse_attention``, docs/dit_sparse.md); per-layer statistics under the module's name."""
-    doc_ids = runtime.doc_ids(call.order)
-    if doc_ids is not None:
-        doc_ids = doc_ids.to(call.q.device)
+    doc_ids = runtime.doc_ids(call.order, call.q.device)
     return block_sparse_attention(
         call.q, call.k, call.v, mesh=runtime.mesh, budget=runtime.sparse, doc_ids=doc_ids,
         softmax_scale=call.scale, layer=call.name,
@@ -280,9 +280,7 @@ def _block_sparse_backend(call: AttentionCall, runtime: DitParallel) -> torch.Te
 
 def _sp_backend(call: AttentionCall, runtime: DitParallel) -> torch.Tensor:
     """Exact bidirectional attention over the SP group (``ds_seqpar.attention``, the mesh's algorithm)."""
-    doc_ids = runtime.doc_ids(call.order)
-    if doc_ids is not None:
-        doc_ids = doc_ids.to(call.q.device)
+    doc_ids = runtime.doc_ids(call.order, call.q.device)
     return sp_attention(
         call.q, call.k, call.v, mesh=runtime.mesh, causal=False, softmax_scale=call.scale, doc_ids=doc_ids
     )
